@@ -1,0 +1,109 @@
+"""specsplit-cloud: serve the target model (Triton + gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from cloud.gateway import ModelIdentity, start_gateway
+from cloud.triton import TritonError, TritonServer
+
+log = logging.getLogger("specsplit.cloud")
+
+
+def resolve_target(spec: str) -> Path:
+    """A local Hugging Face directory, or a known default model name (fetched and cached)."""
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    from shared.sources import resolve_model  # heavy (downloads/conversion): only when needed
+
+    return resolve_model(spec)
+
+
+async def _start_triton(triton: TritonServer, stop: asyncio.Event) -> bool:
+    """Starts Triton unless a stop signal comes first; False when interrupted."""
+    starting = asyncio.create_task(asyncio.to_thread(triton.start))
+    stopping = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting in done:
+        stopping.cancel()
+        starting.result()  # raises TritonError with the log tail
+        return True
+    triton.stop()  # kills the half-started server; the start thread then fails
+    with contextlib.suppress(Exception):
+        await starting
+    return False
+
+
+async def serve(args: argparse.Namespace) -> int:
+    target = resolve_target(args.target)
+    identity = ModelIdentity.from_dir(target, name=args.model_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    triton = None
+    if args.triton_url:
+        triton_url = args.triton_url
+    else:
+        print(f"starting Triton with target {target} ...", file=sys.stderr, flush=True)
+        triton = TritonServer(target, threads=args.threads, startup_timeout_s=args.startup_timeout)
+        if not await _start_triton(triton, stop):
+            return 130
+        triton_url = triton.url
+    try:
+        server, port, service = await start_gateway(
+            triton_url, identity, args.host, args.port, args.max_sessions
+        )
+        print(
+            f"specsplit-cloud ready on {args.host}:{port} "
+            f"(model {identity.name}, triton {triton_url})",
+            flush=True,
+        )
+        await stop.wait()
+        print("stopping ...", file=sys.stderr, flush=True)
+        await server.stop(grace=2.0)
+        await service.close()
+    finally:
+        if triton is not None:
+            await asyncio.to_thread(triton.stop)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specsplit-cloud", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start Triton with the target model and the gRPC gateway")
+    s.add_argument("--target", required=True, help="Hugging Face model dir or a default name")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
+    s.add_argument("--triton-url", help="use a running Triton (host:port) instead of starting one")
+    s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
+    s.add_argument("--threads", type=int, help="torch threads for the target")
+    s.add_argument("--max-sessions", type=int, default=64)
+    s.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for Triton"
+    )
+    s.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(serve(args))
+    except (TritonError, OSError, ValueError) as e:
+        print(f"specsplit-cloud: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The public gRPC service (proto/specsplit/v1): validates, keeps sessions, forwards to Triton.
+
+Thin servicer: protocol bookkeeping lives in ``cloud.session``, Triton I/O in
+``cloud.triton_client``. Every client error is a status code with a precise message; one bad
+stream never affects another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import tritonclient.grpc.aio as aioclient
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cloud.session import Code, Commit, Finish, ModelLimits, ProtocolError, Session, check_ids
+from cloud.triton_client import (
+    SessionLost,
+    TritonRequestError,
+    TritonSession,
+    TritonUnavailable,
+)
+from shared.acceptance import Mode, resolve_mode
+from shared.protocol import (
+    MODE_TO_PB,
+    PB_TO_MODE,
+    PROTOCOL_VERSION,
+    SERVICE_NAME,
+    pb,
+    pb_grpc,
+    sampling_config,
+    sparse_from_pb,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str
+    architecture: str
+    limits: ModelLimits
+    tokenizer_digest: str
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, name: str | None = None) -> ModelIdentity:
+        """Reads what clients must know from a Hugging Face model directory."""
+        d = Path(model_dir)
+        config = json.loads((d / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        gen = d / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        tok = d / "tokenizer.json"
+        digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.exists() else ""
+        limits = ModelLimits(
+            vocab_size=int(config["vocab_size"]),
+            max_context=int(config.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos_ids,
+        )
+        return cls(name or d.name, config.get("model_type", ""), limits, digest)
+
+    def to_pb(self) -> pb.ModelInfo:
+        return pb.ModelInfo(
+            name=self.name,
+            architecture=self.architecture,
+            vocab_size=self.limits.vocab_size,
+            eos_token_ids=list(self.limits.eos_token_ids),
+            tokenizer_digest=self.tokenizer_digest,
+        )
+
+
+_STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
+
+
+class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
+    def __init__(self, triton_url: str, model: ModelIdentity, max_sessions: int = 64):
+        self.triton_url = triton_url
+        self.model = model
+        self.max_sessions = max_sessions
+        self.active = 0
+        self._client: aioclient.InferenceServerClient | None = None
+        self._closing: set[asyncio.Task] = set()
+
+    @property
+    def client(self) -> aioclient.InferenceServerClient:
+        if self._client is None:  # created lazily, inside the server's event loop
+            self._client = aioclient.InferenceServerClient(self.triton_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=10)
+        if self._client is not None:
+            await self._client.close()
+
+    def _release(self, triton: TritonSession) -> None:
+        # Freeing the Triton session runs in its own task: a client that cancels the call right
+        # after Finished (or mid-generation) cancels this handler, and must not leak the KV cache.
+        task = asyncio.create_task(triton.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def Generate(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
+        if self.active >= self.max_sessions:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server at its session limit")
+        self.active += 1
+        triton = TritonSession(self.client)
+        try:
+            async for msg in self._generate(request_iterator, triton):
+                yield msg
+        except ProtocolError as e:
+            await context.abort(_STATUS[e.code], e.message)
+        except TritonUnavailable as e:
+            log.warning("inference server unavailable: %s", e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "inference server unavailable")
+        except TritonRequestError as e:
+            log.error("inference server refused a validated request: %s", e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"inference server error: {e}")
+        finally:
+            self.active -= 1
+            self._release(triton)
+
+    async def _generate(self, requests, triton: TritonSession):
+        it = requests.__aiter__()
+        first = await anext(it, None)
+        if first is None:
+            return
+        if first.WhichOneof("msg") != "start":
+            raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
+        session = self._open(first.start)
+        await triton.start(session.prompt, session.sampling, session.mode, session.seed)
+        yield pb.ServerMessage(started=self._started(session, first.start))
+        if first.start.cloud_only:
+            rounds = self._cloud_only(session, triton, it)
+        else:
+            rounds = self._speculative(session, triton, it)
+        async for verdict in rounds:
+            yield pb.ServerMessage(verdict=verdict)
+        finished = pb.Finished(
+            committed_len=session.committed_len,
+            reason=int(session.finish),
+            target_forward_passes=session.rounds,
+        )
+        yield pb.ServerMessage(finished=finished)
+
+    def _open(self, start: pb.Start) -> Session:
+        if start.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                Code.FAILED_PRECONDITION,
+                f"unsupported protocol_version {start.protocol_version} (this server speaks 1)",
+            )
+        if start.model and start.model != self.model.name:
+            raise ProtocolError(
+                Code.NOT_FOUND, f"unknown model {start.model!r} (serving {self.model.name!r})"
+            )
+        limits = self.model.limits
+        prompt = list(start.prompt_ids)
+        if not prompt:
+            raise ProtocolError(Code.INVALID_ARGUMENT, "prompt_ids must hold at least one token")
+        check_ids(prompt, limits.vocab_size, "prompt_ids")
+        check_ids(start.sampling.stop_token_ids, limits.vocab_size, "stop_token_ids")
+        if len(prompt) >= limits.max_context:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT,
+                f"prompt of {len(prompt)} tokens leaves no room in "
+                f"max_context {limits.max_context}",
+            )
+        if start.sampling.max_new_tokens < 1:
+            raise ProtocolError(Code.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
+        try:
+            sampling = sampling_config(start.sampling)
+            requested = PB_TO_MODE.get(start.verification)
+            mode = resolve_mode(requested, sampling.temperature, has_q=True)
+        except ValueError as e:
+            raise ProtocolError(Code.INVALID_ARGUMENT, str(e)) from None
+        return Session(
+            limits=limits,
+            prompt=prompt,
+            sampling=sampling,
+            mode=mode,
+            seed=start.sampling.seed,
+            max_new_tokens=min(start.sampling.max_new_tokens, limits.max_context - len(prompt)),
+            stop_ids=frozenset(start.sampling.stop_token_ids),
+        )
+
+    def _started(self, session: Session, start: pb.Start) -> pb.Started:
+        lim = self.model.limits
+        return pb.Started(
+            session_id=uuid.uuid4().hex,
+            model=self.model.to_pb(),
+            limits=pb.Limits(
+                max_draft_tokens=lim.max_draft_tokens,
+                max_context=lim.max_context,
+                max_q_entries=lim.max_q_entries,
+            ),
+            protocol_version=PROTOCOL_VERSION,
+            verification=MODE_TO_PB[session.mode],
+            committed_len=session.committed_len,
+            max_new_tokens=session.max_new_tokens,
+        )
+
+    async def _speculative(self, session: Session, triton: TritonSession, it):
+        async for msg in it:
+            kind = msg.WhichOneof("msg")
+            if kind == "finish":
+                session.finish = Finish.CANCELLED
+                return
+            if kind != "draft":
+                raise ProtocolError(Code.FAILED_PRECONDITION, f"unexpected {kind} after Start")
+            t0 = time.perf_counter()
+            draft = msg.draft
+            session.check_draft(draft.base_len, draft.tokens, len(draft.q))
+            q = self._parse_q(draft) if session.mode is Mode.REJECTION else None
+            verdict = await self._round(session, triton, list(draft.tokens), q, t0)
+            verdict.round = draft.round
+            yield verdict
+            if session.finish is not Finish.NONE:
+                return
+
+    async def _cloud_only(self, session: Session, triton: TritonSession, it):
+        # Watch the client stream for Finish while the target generates alone.
+        # A plain half-close is fine; only an explicit Finish cancels.
+        async def watch() -> None:
+            async for msg in it:
+                if msg.WhichOneof("msg") == "finish" and session.finish is Finish.NONE:
+                    session.finish = Finish.CANCELLED
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while session.finish is Finish.NONE:
+                yield await self._round(session, triton, [], None, time.perf_counter())
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+
+    def _parse_q(self, draft: pb.Draft):
+        lim = self.model.limits
+        qs = []
+        for i, (d, msg) in enumerate(zip(draft.tokens, draft.q, strict=True)):
+            if len(msg.token_ids) > lim.max_q_entries:
+                raise ProtocolError(
+                    Code.INVALID_ARGUMENT,
+                    f"q[{i}] has {len(msg.token_ids)} entries, "
+                    f"over max_q_entries {lim.max_q_entries}",
+                )
+            try:
+                q = sparse_from_pb(msg, lim.vocab_size)
+            except ValueError as e:
+                raise ProtocolError(Code.INVALID_ARGUMENT, f"q[{i}]: {e}") from None
+            if q.prob_of(d) <= 0:
+                raise ProtocolError(
+                    Code.INVALID_ARGUMENT, f"draft token {d} at {i} is outside q[{i}]'s support"
+                )
+            qs.append(q)
+        return qs
+
+    async def _round(self, session, triton, drafts, q, t0) -> pb.Verdict:
+        tokens = [session.committed[-1], *drafts]
+        try:
+            reply = await triton.verify(session.committed_len, tokens, q)
+        except SessionLost:
+            # Sessions hold nothing the gateway cannot rebuild: re-open with the committed prefix.
+            log.info("session lost in Triton; re-opening at %d tokens", session.committed_len)
+            await triton.reopen(session.committed, session.sampling, session.mode, session.seed)
+            reply = await triton.verify(session.committed_len, tokens, q)
+        commit: Commit = session.commit(drafts, reply.accepted, reply.token)
+        return pb.Verdict(
+            accepted=commit.accepted,
+            token=commit.token or 0,
+            has_token=commit.token is not None,
+            committed_len=commit.committed_len,
+            finished=commit.finish is not Finish.NONE,
+            reason=int(commit.finish),
+            timings=pb.Timings(
+                verify_ms=reply.verify_ms,
+                server_ms=(time.perf_counter() - t0) * 1e3,
+                queue_ms=max(0.0, reply.roundtrip_ms - reply.verify_ms),
+            ),
+        )
+
+
+async def start_gateway(
+    triton_url: str,
+    model: ModelIdentity,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_sessions: int = 64,
+) -> tuple[grpc.aio.Server, int, SpeculativeService]:
+    """Starts the gateway; returns (server, bound port, service). Port 0 picks a free port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    service = SpeculativeService(triton_url, model, max_sessions)
+    pb_grpc.add_SpeculativeDecodingServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, service

@@ -1,0 +1,149 @@
+"""One generation's bookkeeping at the gateway: validation, committed prefix, stop conditions.
+
+Pure Python (no gRPC, no Triton): the gateway turns ``ProtocolError`` into a status code. The
+cloud is authoritative for stops: tokens emitted after an EOS, a stop id or the length limit are
+discarded here, never reach the client, and are not counted as accepted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.acceptance import Mode
+from shared.sampling import SamplingConfig
+
+
+class Code(enum.Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Finish(enum.IntEnum):
+    """Values match the proto's FinishReason."""
+
+    NONE = 0
+    EOS = 1
+    STOP_TOKEN = 2
+    LENGTH = 3
+    CANCELLED = 4
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_context: int
+    max_draft_tokens: int = 16
+    max_q_entries: int = 64
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a round adds to the output after stop conditions."""
+
+    accepted: int  # draft tokens kept
+    token: int | None  # correction/bonus, None when a stop came first
+    committed_len: int
+    finish: Finish
+
+
+def check_ids(tokens: Sequence[int], vocab_size: int, what: str) -> None:
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and arr.max() >= vocab_size:
+        raise ProtocolError(
+            Code.INVALID_ARGUMENT,
+            f"{what}: token id {int(arr.max())} outside the vocabulary [0, {vocab_size})",
+        )
+
+
+@dataclass
+class Session:
+    limits: ModelLimits
+    prompt: list[int]
+    sampling: SamplingConfig
+    mode: Mode
+    seed: int
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    committed: list[int] = field(default_factory=list)
+    finish: Finish = Finish.NONE
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.committed = list(self.prompt)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.committed)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.committed) - len(self.prompt)
+
+    def check_draft(self, base_len: int, tokens: Sequence[int], n_q: int) -> None:
+        """Validates a Draft against the session; raises ProtocolError."""
+        if self.finish is not Finish.NONE:
+            raise ProtocolError(Code.FAILED_PRECONDITION, "generation already finished")
+        if base_len != self.committed_len:
+            raise ProtocolError(
+                Code.FAILED_PRECONDITION,
+                f"base_len {base_len} != committed_len {self.committed_len}",
+            )
+        if len(tokens) > self.limits.max_draft_tokens:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT,
+                f"block of {len(tokens)} tokens exceeds max_draft_tokens "
+                f"{self.limits.max_draft_tokens}",
+            )
+        check_ids(tokens, self.limits.vocab_size, "draft")
+        if self.mode is Mode.REJECTION and n_q != len(tokens):
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT,
+                f"rejection mode needs q for every draft token ({n_q} for {len(tokens)})",
+            )
+        if self.mode is not Mode.REJECTION and n_q:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT, f"q is only sent in rejection mode (mode {self.mode.name})"
+            )
+
+    def commit(self, drafts: Sequence[int], accepted: int, token: int) -> Commit:
+        """Appends d_1..d_accepted, token, stopping at the first stop condition."""
+        emitted = list(drafts[:accepted]) + [token]
+        kept = 0
+        for t in emitted:
+            self.committed.append(int(t))
+            kept += 1
+            self.finish = self._stop_reason(int(t))
+            if self.finish is not Finish.NONE:
+                break
+        self.rounds += 1
+        has_token = kept == len(emitted)
+        return Commit(
+            accepted=kept - 1 if has_token else kept,
+            token=int(token) if has_token else None,
+            committed_len=self.committed_len,
+            finish=self.finish,
+        )
+
+    def _stop_reason(self, token: int) -> Finish:
+        if token in self.limits.eos_token_ids:
+            return Finish.EOS
+        if token in self.stop_ids:
+            return Finish.STOP_TOKEN
+        if self.new_tokens >= self.max_new_tokens:
+            return Finish.LENGTH
+        return Finish.NONE

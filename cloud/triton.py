@@ -1,0 +1,219 @@
+"""Starts and stops the tritonserver bundled in the nvidia-pytriton wheel (DESIGN §3).
+
+The binary runs directly against our own model repository (no PyTriton proxy hop). Recipe:
+copy the Python backend (libtriton_python.so, triton_python_backend_utils.py, the stub for this
+Python version) into ``<work>/backends/python/``; put the running Python's LIBDIR and the wheel's
+``nvidia_pytriton.libs`` on LD_LIBRARY_PATH (without the latter the stub fails to load and Triton
+hangs in "loading" with no error), and this interpreter's ``bin/`` first on PATH (the stub starts
+the ``python3`` it finds there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
+MODEL_NAME = "target"
+
+
+class TritonError(RuntimeError):
+    """tritonserver could not be started or did not get ready."""
+
+
+@dataclass(frozen=True)
+class BundledTriton:
+    binary: Path
+    python_backend: Path  # dir with libtriton_python.so and triton_python_backend_utils.py
+    stub: Path
+    libs: Path  # nvidia_pytriton.libs
+
+    @classmethod
+    def find(cls) -> BundledTriton:
+        try:
+            import pytriton
+        except ImportError as e:
+            raise TritonError(
+                "nvidia-pytriton is not installed (pip install specsplit[cloud])"
+            ) from e
+        root = Path(pytriton.__file__).parent / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        found = cls(
+            binary=root / "bin" / "tritonserver",
+            python_backend=root / "backends" / "python",
+            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+            libs=Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs",
+        )
+        for path in (found.binary, found.python_backend, found.stub, found.libs):
+            if not path.exists():
+                raise TritonError(f"bundled Triton incomplete: {path} missing")
+        return found
+
+    def prepare_backends(self, work_dir: Path) -> Path:
+        backend = work_dir / "backends" / "python"
+        backend.mkdir(parents=True, exist_ok=True)
+        for src in (
+            self.python_backend / "libtriton_python.so",
+            self.python_backend / "triton_python_backend_utils.py",
+            self.stub,
+        ):
+            shutil.copy2(src, backend / src.name)
+        return backend.parent
+
+    def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (libdir, str(self.libs), env.get("LD_LIBRARY_PATH", "")) if p
+        )
+        env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+        env.update(extra or {})
+        return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A tritonserver process serving ``target`` from our model repository.
+
+    Use as a context manager; ``stop()`` is idempotent and leaves no process or /dev/shm region
+    behind.
+    """
+
+    def __init__(
+        self,
+        target_dir: str | Path,
+        grpc_port: int = 0,
+        threads: int | None = None,
+        startup_timeout_s: float = 180.0,
+        model_repository: Path = MODEL_REPOSITORY,
+        log_verbose: int = 0,
+    ):
+        self.target_dir = Path(target_dir).resolve()
+        self.grpc_port = grpc_port or free_port()
+        self.threads = threads
+        self.startup_timeout_s = startup_timeout_s
+        self.model_repository = model_repository
+        self.log_verbose = log_verbose
+        self.proc: subprocess.Popen | None = None
+        self._work = Path(tempfile.mkdtemp(prefix="specsplit-triton-"))
+        self.log_path = self._work / "tritonserver.log"
+        self._shm_prefix = f"specsplit{os.getpid()}x{self.grpc_port}_"
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self) -> TritonServer:
+        bundled = BundledTriton.find()
+        backends = bundled.prepare_backends(self._work)
+        extra = {"SPECSPLIT_TARGET_DIR": str(self.target_dir)}
+        if self.threads:
+            extra["SPECSPLIT_TARGET_THREADS"] = str(self.threads)
+        cmd = [
+            str(bundled.binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backends}",
+            "--model-control-mode=explicit",
+            f"--load-model={MODEL_NAME}",
+            "--allow-gpu-metrics=false",
+            "--allow-http=false",
+            "--allow-metrics=false",
+            f"--grpc-port={self.grpc_port}",
+            "--grpc-address=127.0.0.1",
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            f"--log-verbose={self.log_verbose}",
+        ]
+        log.info("starting tritonserver on %s", self.url)
+        with open(self.log_path, "wb") as out:
+            # New session: SIGINT from a terminal reaches us, and we stop Triton ourselves.
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=bundled.environment(extra),
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        import tritonclient.grpc as grpcclient
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            while time.monotonic() < deadline:
+                proc = self.proc
+                if proc is None:
+                    raise TritonError("tritonserver was stopped during startup")
+                if proc.poll() is not None:
+                    raise TritonError(
+                        f"tritonserver exited with {proc.returncode}:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(Exception):
+                    if client.is_model_ready(MODEL_NAME):
+                        log.info("tritonserver ready on %s", self.url)
+                        return
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise TritonError(
+            f"model {MODEL_NAME!r} not ready after {self.startup_timeout_s:.0f}s:\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver ignored SIGINT for %.0fs; killing", grace_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc is not None:
+            # Stubs live in Triton's process group; make sure none outlives it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for f in glob.glob(f"/dev/shm/{self._shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+        shutil.rmtree(self._work, ignore_errors=True)
+
+    def __enter__(self) -> TritonServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,162 @@
+"""One generation's sequence on Triton, over one tritonclient.grpc.aio stream.
+
+Requests carry the sequence id, so Triton routes them to the instance holding the session's KV
+cache. Responses on a stream come back in request order, so a call is: put, then read one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from shared.acceptance import Mode
+from shared.sampling import SamplingConfig, SparseDist
+
+MODEL_NAME = "target"
+_OUTPUTS = ("ACCEPTED", "TOKEN", "VERIFY_MS", "CACHE_LEN")
+# Random base: a restarted gateway never reuses a live sequence id.
+_sequence_ids = itertools.count(secrets.randbits(62) + 1)
+
+
+class TritonUnavailable(RuntimeError):
+    """The inference server cannot be reached."""
+
+
+class SessionLost(RuntimeError):
+    """Triton no longer holds the session (restart, eviction): re-open with the committed prefix."""
+
+
+class TritonRequestError(RuntimeError):
+    """Triton refused a request (a bug on our side if the gateway validated it)."""
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    accepted: int
+    token: int
+    verify_ms: float  # the model's forward pass + acceptance
+    roundtrip_ms: float  # gateway -> Triton -> gateway
+
+
+def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def _q_tensors(q: Sequence[SparseDist]) -> list[grpcclient.InferInput]:
+    m = max(len(d.ids) for d in q)
+    ids = np.full((1, len(q), m), -1, dtype=np.int64)  # [1, k, m], -1 pads
+    probs = np.zeros((1, len(q), m), dtype=np.float32)
+    for i, d in enumerate(q):
+        ids[0, i, : len(d.ids)] = d.ids
+        probs[0, i, : len(d.ids)] = d.probs
+    return [_tensor("Q_IDS", ids, "INT64"), _tensor("Q_PROBS", probs, "FP32")]
+
+
+def _classify(error: Exception) -> Exception:
+    msg = str(error)
+    if "SESSION_NOT_FOUND" in msg or "must specify the START flag" in msg:
+        return SessionLost(msg)
+    if "StatusCode.UNAVAILABLE" in msg or "failed to connect" in msg.lower():
+        return TritonUnavailable(msg)
+    return TritonRequestError(msg)
+
+
+class TritonSession:
+    def __init__(self, client: aioclient.InferenceServerClient):
+        self.client = client
+        self.sequence_id = next(_sequence_ids)
+        self._queue: asyncio.Queue[dict | None] = asyncio.Queue()
+        self._responses = None
+        self._open = False
+
+    async def _requests(self):
+        while (item := await self._queue.get()) is not None:
+            yield item
+
+    async def _call(self, inputs: list, start: bool = False, end: bool = False):
+        if self._responses is None:
+            self._responses = self.client.stream_infer(self._requests())
+        self._queue.put_nowait(
+            {
+                "model_name": MODEL_NAME,
+                "inputs": inputs,
+                "outputs": [grpcclient.InferRequestedOutput(n) for n in _OUTPUTS],
+                "sequence_id": self.sequence_id,
+                "sequence_start": start,
+                "sequence_end": end,
+            }
+        )
+        try:
+            result, error = await self._responses.__anext__()
+        except (StopAsyncIteration, InferenceServerException, Exception) as e:
+            self._responses = None  # the stream is gone; the next call opens a new one
+            raise TritonUnavailable(f"inference server stream failed: {e}") from e
+        if error is not None:
+            raise _classify(error)
+        return result
+
+    async def start(
+        self, prompt: Sequence[int], sampling: SamplingConfig, mode: Mode, seed: int
+    ) -> None:
+        inputs = [
+            _tensor("TOKENS", np.asarray([prompt], dtype=np.int64), "INT64"),
+            _tensor("TEMPERATURE", np.array([[sampling.temperature]], np.float32), "FP32"),
+            _tensor("TOP_K", np.array([[sampling.top_k]], np.int32), "INT32"),
+            _tensor("TOP_P", np.array([[sampling.top_p]], np.float32), "FP32"),
+            _tensor("SEED", np.array([[seed]], np.uint64), "UINT64"),
+            _tensor("MODE", np.array([[int(mode)]], np.int32), "INT32"),
+        ]
+        await self._call(inputs, start=True)
+        self._open = True
+
+    async def verify(
+        self, base_len: int, tokens: Sequence[int], q: Sequence[SparseDist] | None = None
+    ) -> VerifyReply:
+        """tokens: the last committed token, then d_1..d_k."""
+        inputs = [
+            _tensor("TOKENS", np.asarray([tokens], dtype=np.int64), "INT64"),
+            _tensor("BASE_LEN", np.array([[base_len]], dtype=np.int64), "INT64"),
+        ]
+        if q:
+            inputs += _q_tensors(q)
+        t0 = time.perf_counter()
+        result = await self._call(inputs)
+        return VerifyReply(
+            accepted=int(result.as_numpy("ACCEPTED").reshape(-1)[0]),
+            token=int(result.as_numpy("TOKEN").reshape(-1)[0]),
+            verify_ms=float(result.as_numpy("VERIFY_MS").reshape(-1)[0]),
+            roundtrip_ms=(time.perf_counter() - t0) * 1e3,
+        )
+
+    async def reopen(self, prompt: Sequence[int], sampling, mode, seed) -> None:
+        """A fresh sequence holding ``prompt`` (the committed prefix) after SessionLost."""
+        self.sequence_id = next(_sequence_ids)
+        self._open = False
+        await self.start(prompt, sampling, mode, seed)
+
+    async def close(self) -> None:
+        """Frees the session's KV cache in Triton and ends the stream. Never raises."""
+        if self._open:
+            self._open = False
+            with contextlib.suppress(Exception):
+                empty = np.zeros((1, 0), dtype=np.int64)
+                await asyncio.wait_for(
+                    self._call([_tensor("TOKENS", empty, "INT64")], end=True), timeout=5
+                )
+        self._queue.put_nowait(None)
+        if self._responses is not None:
+            with contextlib.suppress(Exception):
+                self._responses.cancel()
+            self._responses = None

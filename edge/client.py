@@ -1,0 +1,291 @@
+"""Async client API for applications: the draft -> send -> commit loop of DESIGN §2.
+
+    async with SplitClient("127.0.0.1:50051", drafter) as client:
+        gen = client.generate(prompt_ids, GenerationConfig(max_new_tokens=64))
+        async for tokens in gen:      # committed tokens, as each verdict arrives
+            ...
+        print(gen.stats.acceptance_rate)
+
+Modes: "split" (draft on the edge, verify in the cloud), "cloud-only" (the target alone in the
+cloud, streamed), "edge-only" (the draft alone, no network). gRPC errors are caught here, in one
+place, and raised as ``SpecsplitError`` with the status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from edge.drafting import DEFAULT_Q_ENTRIES, Drafter, draft_block, generate_edge_only
+from shared.acceptance import Mode
+from shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, pb_grpc, sampling_params, sparse_to_pb
+from shared.sampling import SamplingConfig
+from shared.seeding import round_rng
+
+MODES = ("split", "cloud-only", "edge-only")
+
+
+class SpecsplitError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode | None, details: str):
+        super().__init__(f"{code.name if code else 'ERROR'}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    draft_tokens: int = 4  # k
+    verification: Mode | None = None  # None: greedy at temperature 0, else rejection
+    stop_ids: tuple[int, ...] = ()
+    q_entries: int = DEFAULT_Q_ENTRIES
+    model: str = ""  # target model name; "" = the server's default
+    retries: int = 2  # re-opens after UNAVAILABLE, continuing from the committed prefix
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_forward_passes: int = 0
+    wall_s: float = 0.0
+    ttft_s: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    finish: str = ""
+    draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge
+    round_ms: list[float] = field(default_factory=list)  # per round, send -> verdict
+    verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
+    server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
+    token_times_s: list[float] = field(default_factory=list)  # commit time of each token
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_round=self.tokens_per_round,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return d
+
+
+class Generation:
+    """Async iterable of committed token chunks; ``stats`` and ``token_ids`` fill in as it runs."""
+
+    def __init__(self, chunks: AsyncIterator[list[int]], stats: GenerationStats):
+        self._chunks = chunks
+        self.stats = stats
+        self.token_ids: list[int] = []
+
+    async def __aiter__(self):
+        t0 = time.perf_counter()
+        try:
+            async for chunk in self._chunks:
+                now = time.perf_counter() - t0
+                if chunk and self.stats.ttft_s is None:
+                    self.stats.ttft_s = now
+                self.stats.token_times_s += [now] * len(chunk)
+                self.token_ids += chunk
+                self.stats.new_tokens = len(self.token_ids)
+                yield chunk
+        finally:
+            self.stats.wall_s = time.perf_counter() - t0
+
+    async def collect(self) -> list[int]:
+        async for _ in self:
+            pass
+        return self.token_ids
+
+
+class SplitClient:
+    def __init__(self, address: str | None, drafter: Drafter | None = None):
+        self.address = address
+        self.drafter = drafter
+        self._channel = grpc.aio.insecure_channel(address) if address else None
+        self._stub = pb_grpc.SpeculativeDecodingStub(self._channel) if self._channel else None
+
+    async def __aenter__(self) -> SplitClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    def generate(
+        self, prompt_ids: Sequence[int], cfg: GenerationConfig, mode: str = "split"
+    ) -> Generation:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must hold at least one token")
+        if mode != "cloud-only" and self.drafter is None:
+            raise ValueError(f"mode {mode} needs a drafter")
+        if mode != "edge-only" and self._stub is None:
+            raise ValueError(f"mode {mode} needs a server address")
+        stats = GenerationStats(mode=mode)
+        if mode == "edge-only":
+            return Generation(self._edge_only(list(prompt_ids), cfg, stats), stats)
+        return Generation(self._with_retries(list(prompt_ids), cfg, stats, mode), stats)
+
+    async def _edge_only(self, prompt, cfg, stats) -> AsyncIterator[list[int]]:
+        rng = round_rng(cfg.seed, "edge-only", len(prompt))
+        tokens = generate_edge_only(
+            self.drafter, prompt, cfg.sampling, cfg.max_new_tokens, rng, frozenset(cfg.stop_ids)
+        )
+        for token in tokens:
+            yield [token]
+            await asyncio.sleep(0)  # let other tasks run between tokens
+        stats.finish = "done"
+
+    async def _with_retries(self, prompt, cfg, stats, mode) -> AsyncIterator[list[int]]:
+        """Runs the session; after UNAVAILABLE re-opens with the committed sequence as prompt."""
+        committed = list(prompt)
+        attempts = 0
+        while True:
+            remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
+            session = _Session(self._stub, self.drafter, cfg, stats, committed, remaining)
+            try:
+                async for chunk in session.run(cloud_only=mode == "cloud-only"):
+                    committed += chunk
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                retry = e.code() == grpc.StatusCode.UNAVAILABLE and attempts < cfg.retries
+                if not retry:
+                    raise SpecsplitError(e.code(), e.details()) from None
+                attempts += 1
+                await asyncio.sleep(0.5 * attempts)
+            finally:
+                await session.close()
+
+
+class _Session:
+    """One stream: Start, then rounds until a finished Verdict."""
+
+    def __init__(self, stub, drafter, cfg: GenerationConfig, stats, committed, max_new_tokens):
+        self.stub, self.drafter, self.cfg, self.stats = stub, drafter, cfg, stats
+        self.committed = list(committed)  # own copy: the caller extends its list from chunks
+        self.max_new_tokens = max_new_tokens
+        self.call = None
+
+    async def _send(self, msg: pb.ClientMessage) -> None:
+        self.stats.bytes_up += msg.ByteSize()
+        await self.call.write(msg)
+
+    async def _recv(self, kind: str):
+        msg = await self.call.read()
+        if msg is grpc.aio.EOF:
+            raise SpecsplitError(None, f"stream closed while waiting for {kind}")
+        self.stats.bytes_down += msg.ByteSize()
+        if msg.WhichOneof("msg") != kind:
+            raise SpecsplitError(None, f"expected {kind}, got {msg.WhichOneof('msg')}")
+        return getattr(msg, kind)
+
+    async def run(self, cloud_only: bool) -> AsyncIterator[list[int]]:
+        cfg = self.cfg
+        self.call = self.stub.Generate()
+        start = pb.Start(
+            protocol_version=PROTOCOL_VERSION,
+            model=cfg.model,
+            prompt_ids=self.committed,
+            sampling=sampling_params(cfg.sampling, cfg.seed, self.max_new_tokens, cfg.stop_ids),
+            verification=MODE_TO_PB.get(cfg.verification, 0),
+            cloud_only=cloud_only,
+        )
+        await self._send(pb.ClientMessage(start=start))
+        started = await self._recv("started")
+        if not cloud_only:
+            self._check_pair(started.model)
+        rounds = self._cloud_only() if cloud_only else self._split(started)
+        async for chunk in rounds:
+            yield chunk
+        finished = await self._recv("finished")
+        self.stats.target_forward_passes += finished.target_forward_passes
+        self.stats.finish = pb.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_")
+        await self.call.done_writing()
+
+    def _check_pair(self, model: pb.ModelInfo) -> None:
+        if self.drafter.vocab_size > model.vocab_size:
+            raise SpecsplitError(
+                None,
+                f"draft vocabulary ({self.drafter.vocab_size}) does not fit the target "
+                f"{model.name!r} ({model.vocab_size}): not a matching draft model",
+            )
+
+    async def _split(self, started: pb.Started) -> AsyncIterator[list[int]]:
+        cfg, stats = self.cfg, self.stats
+        k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
+        mode = started.verification
+        remaining = started.max_new_tokens
+        round_no = 0
+        while True:
+            round_no += 1
+            # A round emits up to k + 1 tokens: never draft past the length limit.
+            k = max(0, min(k_max, remaining - 1))
+            base_len = len(self.committed)
+            rng = round_rng(cfg.seed, "draft", base_len)
+            t0 = time.perf_counter()
+            block = draft_block(self.drafter, self.committed, k, cfg.sampling, rng, cfg.q_entries)
+            t1 = time.perf_counter()
+            draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens)
+            if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
+                draft.q.extend(sparse_to_pb(q) for q in block.q)
+            await self._send(pb.ClientMessage(draft=draft))
+            v = await self._recv("verdict")
+            t2 = time.perf_counter()
+            chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
+            self.committed += chunk
+            remaining -= len(chunk)
+            stats.rounds += 1
+            stats.drafted += k
+            stats.accepted += v.accepted
+            stats.draft_ms.append((t1 - t0) * 1e3)
+            stats.round_ms.append((t2 - t1) * 1e3)
+            stats.verify_ms.append(v.timings.verify_ms)
+            stats.server_ms.append(v.timings.server_ms)
+            yield chunk
+            if v.finished:
+                return
+
+    async def _cloud_only(self) -> AsyncIterator[list[int]]:
+        t_prev = time.perf_counter()
+        while True:
+            v = await self._recv("verdict")
+            now = time.perf_counter()
+            self.stats.rounds += 1
+            self.stats.round_ms.append((now - t_prev) * 1e3)
+            self.stats.verify_ms.append(v.timings.verify_ms)
+            t_prev = now
+            chunk = [v.token] if v.has_token else []
+            self.committed += chunk
+            yield chunk
+            if v.finished:
+                return
+
+    async def close(self) -> None:
+        if self.call is not None and not self.call.done():
+            self.call.cancel()

@@ -1,0 +1,110 @@
+"""Drafting a block on the edge, and edge-only generation. numpy only (no torch on the edge).
+
+A ``Drafter`` owns a KV cache of the tokens in ``cached``; drafting first rolls it back to the
+longest prefix it shares with the committed sequence (the cloud may have rejected the tail), then
+feeds what is missing and proposes k tokens one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, softmax
+
+DEFAULT_Q_ENTRIES = 32
+
+
+class Drafter(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def cached(self) -> list[int]: ...
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...  # [len(tokens), V] logits
+
+    def truncate(self, n: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Block:
+    tokens: list[int]  # d_1..d_k
+    q: list[SparseDist] | None  # q_1..q_k when sampling, None when greedy
+
+
+def draft_distribution(logits: np.ndarray, cfg: SamplingConfig, max_entries: int) -> SparseDist:
+    """The draft's q from logits [V]: the max_entries most likely tokens, then temperature,
+    top-k and top-p within them.
+
+    Truncating first keeps the edge's cost O(m) instead of sorting the whole vocabulary. Any q is
+    lossless (the cloud corrects for it); only acceptance depends on how close q is to p.
+    """
+    m = min(max_entries, cfg.top_k or max_entries, logits.shape[-1])
+    ids = np.argpartition(logits, -m)[-m:]
+    ids = ids[np.argsort(-logits[ids], kind="stable")]  # descending
+    probs = softmax(logits[ids] / cfg.temperature)
+    if cfg.top_p < 1.0:
+        keep = (np.cumsum(probs) - probs) < cfg.top_p
+        ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+    return SparseDist(ids=ids.astype(np.int64), probs=probs)
+
+
+def _sync_cache(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
+    """Rolls the cache back to its common prefix with ``committed``, feeds the rest; returns the
+    logits [V] after the last committed token."""
+    cached = drafter.cached
+    n = 0
+    limit = min(len(cached), len(committed) - 1)  # the last token is always fed, for its logits
+    while n < limit and cached[n] == committed[n]:
+        n += 1
+    drafter.truncate(n)
+    return drafter.forward(committed[n:])[-1]
+
+
+def draft_block(
+    drafter: Drafter,
+    committed: Sequence[int],
+    k: int,
+    cfg: SamplingConfig,
+    rng: np.random.Generator | None,
+    q_entries: int = DEFAULT_Q_ENTRIES,
+) -> Block:
+    """Proposes k tokens after ``committed``. d_k is not fed back (the verdict decides its fate)."""
+    logits = _sync_cache(drafter, committed)
+    tokens: list[int] = []
+    qs: list[SparseDist] = []
+    for i in range(k):
+        if cfg.greedy:
+            tokens.append(int(np.argmax(logits)))
+        else:
+            q = draft_distribution(logits, cfg, q_entries)
+            tokens.append(int(q.ids[sample(q.probs, rng)]))
+            qs.append(q)
+        if i + 1 < k:
+            logits = drafter.forward(tokens[-1:])[-1]
+    return Block(tokens=tokens, q=None if cfg.greedy else qs)
+
+
+def generate_edge_only(
+    drafter: Drafter,
+    prompt: Sequence[int],
+    cfg: SamplingConfig,
+    max_new_tokens: int,
+    rng: np.random.Generator | None,
+    stop_ids: frozenset[int] = frozenset(),
+) -> Iterator[int]:
+    """The draft model alone (no cloud): yields tokens until EOS, a stop id or the length limit."""
+    committed = list(prompt)
+    stops = stop_ids | set(drafter.eos_token_ids)
+    for _ in range(max_new_tokens):
+        logits = _sync_cache(drafter, committed)
+        greedy = cfg.greedy
+        token = int(np.argmax(logits)) if greedy else sample(logits_to_probs(logits, cfg), rng)
+        committed.append(token)
+        yield token
+        if token in stops:
+            return

@@ -1,0 +1,74 @@
+"""Protocol helpers: the generated stubs, and conversions between proto messages and our types.
+
+Proto types stay at the boundary; inside Python we use the frozen dataclasses of ``shared``.
+The stubs are generated at build time (``make proto``) into ``shared/_pb``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+try:
+    from shared._pb.specsplit.v1 import speculative_pb2 as pb
+    from shared._pb.specsplit.v1 import speculative_pb2_grpc as pb_grpc  # noqa: F401 (re-export)
+except ImportError as e:  # pragma: no cover - only without a build
+    raise ImportError("gRPC stubs not generated: run `make proto`") from e
+
+from shared.acceptance import Mode
+from shared.sampling import SamplingConfig, SparseDist
+
+PROTOCOL_VERSION = pb.PROTOCOL_VERSION_1
+SERVICE_NAME = "specsplit.v1.SpeculativeDecoding"
+
+MODE_TO_PB = {
+    Mode.GREEDY: pb.VERIFICATION_MODE_GREEDY,
+    Mode.REJECTION: pb.VERIFICATION_MODE_REJECTION,
+    Mode.TOKEN_ONLY: pb.VERIFICATION_MODE_TOKEN_ONLY,
+}
+PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
+
+
+def sampling_config(params: pb.SamplingParams) -> SamplingConfig:
+    """Raises ValueError for out-of-range values. top_p 0 is read as 1 (proto3 default)."""
+    return SamplingConfig(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p if params.top_p > 0 else 1.0,
+    )
+
+
+def sampling_params(
+    cfg: SamplingConfig, seed: int, max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=list(stop_ids),
+    )
+
+
+def sparse_to_pb(q: SparseDist) -> pb.SparseDistribution:
+    return pb.SparseDistribution(token_ids=q.ids.tolist(), probs=q.probs.tolist())
+
+
+def sparse_from_pb(msg: pb.SparseDistribution, vocab_size: int) -> SparseDist:
+    """Validates and renormalises one position's q. Raises ValueError with the reason."""
+    ids = np.asarray(msg.token_ids, dtype=np.int64)
+    probs = np.asarray(msg.probs, dtype=np.float64)
+    if ids.size == 0 or ids.size != probs.size:
+        raise ValueError(f"q needs as many probs as token_ids (got {ids.size} and {probs.size})")
+    if ids.max() >= vocab_size:
+        raise ValueError(f"q token id {int(ids.max())} outside the vocabulary [0, {vocab_size})")
+    if np.unique(ids).size != ids.size:
+        raise ValueError("q token_ids must be distinct")
+    if not np.all(np.isfinite(probs)) or probs.min() < 0:
+        raise ValueError("q probabilities must be finite and >= 0")
+    total = probs.sum()
+    if abs(total - 1.0) > 1e-3:
+        raise ValueError(f"q probabilities must sum to 1 (got {total:.6f})")
+    return SparseDist(ids=ids, probs=probs / total)

@@ -1,0 +1,19 @@
+"""Per-round random generators.
+
+Randomness is a function of (seed, side, position), not a stream that advances with each call:
+a session re-opened after a cloud failure (DESIGN §2) draws the very same numbers at the same
+positions, so the output is unchanged. Edge and cloud use independent streams (different ``side``),
+because a draft sampled with the verifier's own random numbers would bias the accept test.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+
+def round_rng(seed: int, side: str, base_len: int) -> np.random.Generator:
+    """Generator for the round that continues from ``base_len`` committed tokens."""
+    side_key = zlib.crc32(side.encode())
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(side_key, base_len)))

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny models (target, unrelated draft) with ONNX exports, a real cloud."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.processes import CloudProcess
+from tests.tiny_models import make_tiny_qwen2
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    target: Path  # HF dir
+    draft: Path  # HF dir, unrelated weights (mostly rejected)
+    target_onnx: Path  # the target itself as a draft: everything accepted
+    draft_onnx: Path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    from edge.export import export_onnx
+
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_qwen2(root / "target", seed=0)
+    draft = make_tiny_qwen2(root / "draft", seed=1)
+    return TinyModels(
+        target=target,
+        draft=draft,
+        target_onnx=export_onnx(target, root / "target-onnx"),
+        draft_onnx=export_onnx(draft, root / "draft-onnx"),
+    )
+
+
+@pytest.fixture(scope="session")
+def cloud(tiny, tmp_path_factory):
+    """`specsplit-cloud serve` with the tiny target: real tritonserver + gateway on free ports."""
+    with CloudProcess("--target", str(tiny.target), log_dir=tmp_path_factory.mktemp("cloud")) as c:
+        yield c

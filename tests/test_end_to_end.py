@@ -1,0 +1,192 @@
+"""The split path on real parts: tritonserver + gateway (`specsplit-cloud serve`) + ONNX Runtime.
+
+Every expected output comes from `transformers` running the same tiny models, never from our code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from edge.client import GenerationConfig, SplitClient
+from edge.drafter import OnnxDrafter
+from shared.acceptance import Mode
+from shared.sampling import SamplingConfig, logits_to_probs
+from tests.tiny_models import reference_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 7, 7, 100, 200, 13, 9, 250]]
+N_NEW = 24
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def generate(address, drafter, prompt, mode="split", **cfg):
+    async with SplitClient(address, drafter) as client:
+        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        await gen.collect()
+        return gen
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    return {
+        "target": {tuple(p): reference_greedy(tiny.target, p, N_NEW) for p in PROMPTS},
+        "draft": {tuple(p): reference_greedy(tiny.draft, p, N_NEW) for p in PROMPTS},
+    }
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_greedy_split_equals_target_greedy(cloud, tiny, references, k, draft):
+    drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
+    for prompt in PROMPTS:
+        gen = run(generate(cloud.address, drafter, prompt, max_new_tokens=N_NEW, draft_tokens=k))
+        s = gen.stats
+        assert gen.token_ids == references["target"][tuple(prompt)], (prompt, k, draft)
+        # Each round emits its accepted drafts plus one token (no stop truncates: k is clamped).
+        assert s.new_tokens == N_NEW == s.accepted + s.rounds
+        assert 0 <= s.accepted <= s.drafted <= k * s.rounds
+        assert s.target_forward_passes == s.rounds
+        if draft == "same":
+            assert s.accepted == s.drafted, "a draft identical to the target must be fully accepted"
+        else:
+            assert s.acceptance_rate < 0.5
+
+
+def test_cloud_only_equals_target_greedy(cloud, references):
+    for prompt in PROMPTS:
+        gen = run(generate(cloud.address, None, prompt, "cloud-only", max_new_tokens=N_NEW))
+        assert gen.token_ids == references["target"][tuple(prompt)]
+        assert gen.stats.target_forward_passes == N_NEW
+
+
+def test_edge_only_equals_draft_greedy(tiny, references):
+    drafter = OnnxDrafter(tiny.draft_onnx)
+    for prompt in PROMPTS:
+        gen = run(generate(None, drafter, prompt, "edge-only", max_new_tokens=N_NEW))
+        assert gen.token_ids == references["draft"][tuple(prompt)]
+
+
+@pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
+def test_sampling_same_seed_same_output(cloud, tiny, verification):
+    drafter = OnnxDrafter(tiny.draft_onnx)
+    cfg = dict(
+        max_new_tokens=N_NEW,
+        draft_tokens=3,
+        sampling=SamplingConfig(temperature=0.9),
+        verification=verification,
+    )
+    a = run(generate(cloud.address, drafter, PROMPTS[0], seed=5, **cfg)).token_ids
+    b = run(generate(cloud.address, drafter, PROMPTS[0], seed=5, **cfg)).token_ids
+    c = run(generate(cloud.address, drafter, PROMPTS[0], seed=6, **cfg)).token_ids
+    assert a == b
+    assert a != c
+    assert len(a) == N_NEW
+
+
+def target_probs(tiny, prompt, cfg: SamplingConfig) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].numpy()
+    return logits_to_probs(logits, cfg)
+
+
+@pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
+def test_first_token_follows_target_distribution(cloud, tiny, verification):
+    """N sessions with seeds 0..N-1 through the whole stack; chi-square of the first token.
+
+    The unrelated draft proposes one token per session (max_new_tokens=2 clamps k to 1), so the
+    first token is an accepted draft or a correction: both paths are exercised. top_k=6 keeps six
+    cells; every cell expects >= 5 draws (asserted). The threshold is chi2.isf(1e-6, df=5): a
+    correct stack fails with probability < 1e-6; draws outside the support fail outright.
+    """
+    n = 1200
+    cfg = SamplingConfig(temperature=1.5, top_k=6)
+    p = target_probs(tiny, PROMPTS[0], cfg)
+    drafter = OnnxDrafter(tiny.draft_onnx)
+
+    async def first_tokens():
+        out = []
+        async with SplitClient(cloud.address, drafter) as client:
+            for seed in range(n):
+                g = client.generate(
+                    PROMPTS[0],
+                    GenerationConfig(
+                        max_new_tokens=2,
+                        draft_tokens=1,
+                        sampling=cfg,
+                        seed=seed,
+                        verification=verification,
+                    ),
+                )
+                out.append((await g.collect())[0])
+        return out
+
+    counts = np.bincount(run(first_tokens()), minlength=p.size)
+    support = p > 0
+    assert counts[~support].sum() == 0, "first token outside the target's top-k support"
+    expected = p[support] * n
+    assert expected.min() >= 5
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    assert stat < stats.chi2.isf(1e-6, df=support.sum() - 1), (counts[support], expected)
+
+
+def test_concurrent_sessions_do_not_mix(cloud, tiny, references):
+    # One drafter per generation: a drafter's KV cache belongs to one sequence.
+    async def three():
+        drafters = [OnnxDrafter(d) for d in (tiny.draft_onnx, tiny.target_onnx, tiny.draft_onnx)]
+        return await asyncio.gather(
+            *(
+                generate(cloud.address, d, p, max_new_tokens=N_NEW, draft_tokens=3)
+                for d, p in zip(drafters, PROMPTS, strict=True)
+            )
+        )
+
+    for gen, prompt in zip(run(three()), PROMPTS, strict=True):
+        assert gen.token_ids == references["target"][tuple(prompt)]
+
+
+def triton_sessions(triton_url: str) -> int:
+    """Opens and closes a probe sequence directly on Triton; returns the caches held meanwhile."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_url)
+    try:
+        tokens = grpcclient.InferInput("TOKENS", [1, 1], "INT64")
+        tokens.set_data_from_numpy(np.array([[1]], dtype=np.int64))
+        r = client.infer("target", [tokens], sequence_id=2**63 - 7, sequence_start=True)
+        held = int(r.as_numpy("SESSIONS")[0, 0])
+        end = grpcclient.InferInput("TOKENS", [1, 0], "INT64")
+        end.set_data_from_numpy(np.zeros((1, 0), dtype=np.int64))
+        client.infer("target", [end], sequence_id=2**63 - 7, sequence_end=True)
+        return held - 1  # not counting the probe
+    finally:
+        client.close()
+
+
+def test_session_closed_early_frees_its_cache(cloud, tiny):
+    async def start_and_abandon():
+        async with SplitClient(cloud.address, OnnxDrafter(tiny.draft_onnx)) as client:
+            gen = client.generate(PROMPTS[0], GenerationConfig(max_new_tokens=500, draft_tokens=2))
+            async for _ in gen:
+                break  # the client goes away mid-generation
+        return gen
+
+    assert triton_sessions(cloud.triton_url) == 0
+    gen = run(start_and_abandon())
+    assert 0 < len(gen.token_ids) < 500
+    for _ in range(50):  # the gateway frees the cache asynchronously after the cancel
+        if triton_sessions(cloud.triton_url) == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert triton_sessions(cloud.triton_url) == 0
