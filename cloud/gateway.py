@@ -230,17 +230,24 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
 
     async def _cloud_only(self, session: Session, triton: TritonSession, it):
         # Watch the client stream for Finish while the target generates alone.
-        # A plain half-close is fine; only an explicit Finish cancels.
+        # A plain half-close is fine; only an explicit Finish cancels; a Draft is refused.
+        refused: list[str] = []
+
         async def watch() -> None:
             async for msg in it:
-                if msg.WhichOneof("msg") == "finish" and session.finish is Finish.NONE:
+                kind = msg.WhichOneof("msg")
+                if kind != "finish":
+                    refused.append(f"{kind} on a cloud_only stream")
+                if session.finish is Finish.NONE:
                     session.finish = Finish.CANCELLED
-                    return
+                return
 
         watcher = asyncio.create_task(watch())
         try:
             while session.finish is Finish.NONE:
                 yield await self._round(session, triton, [], None, time.perf_counter())
+            if refused:
+                raise ProtocolError(Code.FAILED_PRECONDITION, refused[0])
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

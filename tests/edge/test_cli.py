@@ -1,0 +1,80 @@
+"""`specsplit-edge` as a user runs it: real processes against the real cloud fixture."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import reference_greedy
+
+pytestmark = pytest.mark.slow
+EDGE = str(Path(sys.executable).parent / "specsplit-edge")  # the installed console script
+
+
+def edge(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([EDGE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("mode", ["split", "cloud-only", "edge-only"])
+def test_generate_json(cloud, tiny, mode):
+    r = edge(
+        "generate",
+        "--server",
+        cloud.address,
+        "--draft",
+        str(tiny.draft_onnx),
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--max-new-tokens",
+        "12",
+        "--draft-tokens",
+        "3",
+        "--mode",
+        mode,
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    expected_from = tiny.draft if mode == "edge-only" else tiny.target
+    assert out["token_ids"] == reference_greedy(expected_from, [1, 2, 3, 4, 5], 12)
+    for key in (
+        "text",
+        "new_tokens",
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "tokens_per_round",
+        "wall_s",
+        "tokens_per_s",
+        "mode",
+    ):
+        assert key in out
+    assert out["mode"] == mode and out["new_tokens"] == 12
+
+
+def test_export_writes_a_loadable_draft(tiny, tmp_path):
+    r = edge("export", "--model", str(tiny.draft), "--out", str(tmp_path / "d"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "d" / "model.onnx").is_file()
+
+
+def test_bad_arguments_give_clear_errors(cloud, tiny):
+    r = edge("generate", "--server", cloud.address, "--prompt-ids", "1,2", "--mode", "split")
+    assert r.returncode != 0 and "--draft is required" in r.stderr
+    r = edge(
+        "generate",
+        "--server",
+        cloud.address,
+        "--mode",
+        "cloud-only",
+        "--prompt-ids",
+        "1,99999",
+    )
+    assert r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr and "vocabulary" in r.stderr
+    r = edge("generate", "--mode", "cloud-only", "--prompt-ids", "1,x")
+    assert r.returncode != 0 and "comma-separated integers" in r.stderr
