@@ -1,4 +1,4 @@
-"""Bad input against the real gateway + Triton: a precise status code, and the server keeps serving."""
+"""Bad input on the real gateway + Triton: a precise status, and the server keeps serving."""
 
 from __future__ import annotations
 
