@@ -23,6 +23,9 @@ class TextCodec:
         self.tokenizer = Tokenizer.from_file(str(path))
         cfg_path = d / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        # transformers >= 4.47 saves the template beside the config instead of inside it
+        jinja = d / "chat_template.jinja"
+        self.chat_template = jinja.read_text() if jinja.is_file() else self.config.get("chat_template")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -32,7 +35,7 @@ class TextCodec:
 
     def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
         """Token ids of a one-turn chat, rendered with the model's chat template."""
-        template = self.config.get("chat_template")
+        template = self.chat_template
         if not template:
             raise ValueError("this tokenizer has no chat template; use a plain prompt")
         import jinja2

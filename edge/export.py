@@ -1,0 +1,200 @@
+"""Exports a Hugging Face Qwen2 checkpoint to the edge's ONNX draft format (a build step).
+
+``export_onnx(model_dir, out_dir, precision)`` reads ``config.json`` + ``*.safetensors`` (single or
+sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` containing:
+
+- ``model.onnx`` + ``model.onnx.data``: the graph of ``edge.onnx_graph`` (I/O contract there),
+  weights as external data;
+- ``specsplit_draft.json``: what ``edge.drafter.OnnxDrafter`` needs (``METADATA_FORMAT``);
+- copies of the tokenizer / generation / model config files present in ``model_dir``.
+
+The output is built in a temporary sibling directory and renamed into place, so a failed export
+never leaves a half-written ``out_dir``. Precisions: ``fp32``, and ``int8`` (block-wise
+int8 weights in MatMulNBits for every Linear, a per-row int8 embedding; see ``edge.onnx_graph``).
+Reading weights needs numpy only; torch is not imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from edge.onnx_graph import GRAPH_FORMAT, OPSET, Qwen2Spec, build_model
+
+log = logging.getLogger(__name__)
+
+METADATA_FORMAT = 1
+METADATA_FILE = "specsplit_draft.json"
+ONNX_FILE = "model.onnx"
+PRECISIONS = ("fp32", "int8")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+)
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
+
+
+class SafetensorsWeights:
+    """Lazy float32 view of a (possibly sharded) safetensors checkpoint, read with numpy only."""
+
+    def __init__(self, model_dir: Path) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            paths = [model_dir / f for f in files]
+        else:
+            paths = sorted(model_dir.glob("*.safetensors"))
+        if not paths:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        self._entries: dict[str, tuple[Path, str, list[int], int]] = {}  # path, dtype, shape, at
+        for path in paths:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    offset = 8 + size + info["data_offsets"][0]
+                    self._entries[name] = (path, info["dtype"], info["shape"], offset)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __call__(self, name: str) -> np.ndarray:
+        path, dtype, shape, offset = self._entries[name]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: unsupported safetensors dtype {dtype}")
+        count = int(np.prod(shape, dtype=np.int64))
+        raw = np.fromfile(path, dtype=_SAFETENSORS_DTYPES[dtype], count=count, offset=offset)
+        if dtype == "BF16":  # bf16 is the top half of an fp32
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.astype(np.float32, copy=False).reshape(shape)
+
+
+def check_architecture(config: dict) -> None:
+    if config.get("model_type") != "qwen2":
+        raise ValueError(f"unsupported architecture {config.get('model_type')!r}; need 'qwen2'")
+
+
+def read_spec(config: dict, weights: SafetensorsWeights) -> Qwen2Spec:
+    """Validates a Qwen2 config.json (as a dict) and returns the graph's shape parameters."""
+    check_architecture(config)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r}; only default RoPE is exported")
+    if config.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported by the edge export")
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    heads = config["num_attention_heads"]
+    tied = config.get("tie_word_embeddings", "lm_head.weight" not in weights)
+    if not tied and "lm_head.weight" not in weights:
+        raise ValueError("tie_word_embeddings is false but the checkpoint has no lm_head.weight")
+    return Qwen2Spec(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_positions=config.get("max_position_embeddings", 32768),
+        tied_embeddings=bool(tied),
+    )
+
+
+def eos_token_ids(model_dir: Path, config: dict) -> list[int]:
+    """EOS ids of generation_config.json then config.json, deduplicated, in that order."""
+    found: list[int] = []
+    sources = [config]
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        sources.insert(0, json.loads(gen.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in [value] if isinstance(value, int) else value or []:
+            if token not in found:
+                found.append(int(token))
+    return found
+
+
+def _metadata(model_dir: Path, config: dict, spec: Qwen2Spec, precision: str) -> dict:
+    return {
+        "format": METADATA_FORMAT,
+        "graph_format": GRAPH_FORMAT,
+        "opset": OPSET,
+        "onnx_file": ONNX_FILE,
+        "architecture": "qwen2",
+        "precision": precision,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_layers": spec.num_layers,
+        "num_heads": spec.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "rope_theta": spec.rope_theta,
+        "max_positions": spec.max_positions,
+        "tied_embeddings": spec.tied_embeddings,
+        "eos_token_ids": eos_token_ids(model_dir, config),
+        "source": {"name": model_dir.name, "dir": str(model_dir)},
+    }
+
+
+def _write(model_dir: Path, tmp: Path, precision: str, progress: bool) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    check_architecture(config)  # before looking for weights
+    weights = SafetensorsWeights(model_dir)
+    spec = read_spec(config, weights)
+    level = logging.INFO if progress else logging.DEBUG
+
+    def on_layer(done: int, total: int) -> None:
+        log.log(level, "export %s: layer %d/%d", model_dir.name, done, total)
+
+    build_model(spec, weights, tmp / ONNX_FILE, precision, on_layer)
+    for name in COPIED_FILES:
+        if (model_dir / name).exists():
+            shutil.copy2(model_dir / name, tmp / name)
+    meta = _metadata(model_dir, config, spec, precision)
+    (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    # mkdtemp creates an owner-only directory; an exported model is meant to be shared.
+    tmp.chmod(0o755)
+    for path in tmp.iterdir():
+        path.chmod(0o644)
+
+
+def export_onnx(
+    model_dir: Path, out_dir: Path, precision: str = "fp32", progress: bool = False
+) -> Path:
+    """Exports ``model_dir`` (HF Qwen2) to ``out_dir``; returns ``out_dir``. Replaces an old one."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unsupported precision {precision!r}; choose one of {PRECISIONS}")
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write(model_dir, tmp, precision, progress)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / "replaced")
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.log(logging.INFO if progress else logging.DEBUG, "exported %s to %s", model_dir, out_dir)
+    return out_dir
