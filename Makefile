@@ -10,6 +10,12 @@ PROTO_SRC := $(wildcard proto/specsplit/v1/*.proto)
 PB_DIR := shared/_pb
 PB_STAMP := $(PB_DIR)/.generated
 
+# demo options: make demo PROMPT="..." MAX_TOKENS=96 TEMPERATURE=0 K=4
+PROMPT ?=
+MAX_TOKENS ?= 96
+TEMPERATURE ?= 0
+K ?= 4
+
 .PHONY: setup proto test lint format demo bench bench-quick clean
 
 setup: $(STAMP) $(PB_STAMP)
@@ -45,6 +51,10 @@ format: setup
 
 test: setup lint
 	$(VENV)/bin/pytest -q
+
+demo: setup
+	$(PY) -m bench.demo $(if $(PROMPT),--prompt "$(PROMPT)") --max-new-tokens $(MAX_TOKENS) \
+		--temperature $(TEMPERATURE) --k $(K)
 
 clean:
 	rm -rf $(PB_DIR) .pytest_cache .ruff_cache .hypothesis

@@ -53,7 +53,9 @@ async def serve(args: argparse.Namespace) -> int:
         triton_url = args.triton_url
     else:
         print(f"starting Triton with target {target} ...", file=sys.stderr, flush=True)
-        triton = TritonServer(target, threads=args.threads, startup_timeout_s=args.startup_timeout)
+        triton = TritonServer(
+            target, threads=args.threads, dtype=args.dtype, startup_timeout_s=args.startup_timeout
+        )
         if not await _start_triton(triton, stop):
             return 130
         triton_url = triton.url
@@ -86,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--triton-url", help="use a running Triton (host:port) instead of starting one")
     s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
     s.add_argument("--threads", type=int, help="torch threads for the target")
+    s.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="target precision (auto: float32 on CPU, bfloat16 on GPU)",
+    )
     s.add_argument("--max-sessions", type=int, default=64)
     s.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for Triton"

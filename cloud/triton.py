@@ -103,6 +103,7 @@ class TritonServer:
         target_dir: str | Path,
         grpc_port: int = 0,
         threads: int | None = None,
+        dtype: str = "auto",
         startup_timeout_s: float = 180.0,
         model_repository: Path = MODEL_REPOSITORY,
         log_verbose: int = 0,
@@ -110,6 +111,7 @@ class TritonServer:
         self.target_dir = Path(target_dir).resolve()
         self.grpc_port = grpc_port or free_port()
         self.threads = threads
+        self.dtype = dtype
         self.startup_timeout_s = startup_timeout_s
         self.model_repository = model_repository
         self.log_verbose = log_verbose
@@ -125,7 +127,7 @@ class TritonServer:
     def start(self) -> TritonServer:
         bundled = BundledTriton.find()
         backends = bundled.prepare_backends(self._work)
-        extra = {"SPECSPLIT_TARGET_DIR": str(self.target_dir)}
+        extra = {"SPECSPLIT_TARGET_DIR": str(self.target_dir), "SPECSPLIT_TARGET_DTYPE": self.dtype}
         if self.threads:
             extra["SPECSPLIT_TARGET_THREADS"] = str(self.threads)
         cmd = [

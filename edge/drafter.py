@@ -33,6 +33,22 @@ def default_providers() -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def _create_session(path: str, options, providers: list[str]) -> ort.InferenceSession:
+    # onnxruntime-gpu lists CUDA even where its libraries are missing, and then logs an ERROR
+    # before falling back to CPU. A fallback is expected on CPU-only machines: keep it quiet and
+    # report the provider actually in use instead.
+    if providers[0] != "CUDAExecutionProvider":
+        return ort.InferenceSession(path, sess_options=options, providers=providers)
+    ort.set_default_logger_severity(4)
+    try:
+        session = ort.InferenceSession(path, sess_options=options, providers=providers)
+    finally:
+        ort.set_default_logger_severity(2)
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        log.info("CUDA execution provider unavailable here; the draft runs on CPU")
+    return session
+
+
 class OnnxDrafter:
     """Incremental forward passes of the exported draft model with a rollback-able KV cache."""
 
@@ -55,10 +71,8 @@ class OnnxDrafter:
         options.inter_op_num_threads = 1
         if threads is not None:
             options.intra_op_num_threads = threads
-        self._session = ort.InferenceSession(
-            str(model_dir / meta["onnx_file"]),
-            sess_options=options,
-            providers=providers or default_providers(),
+        self._session = _create_session(
+            str(model_dir / meta["onnx_file"]), options, providers or default_providers()
         )
         self.provider: str = self._session.get_providers()[0]
 

@@ -25,7 +25,9 @@ class TextCodec:
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         # transformers >= 4.47 saves the template beside the config instead of inside it
         jinja = d / "chat_template.jinja"
-        self.chat_template = jinja.read_text() if jinja.is_file() else self.config.get("chat_template")
+        self.chat_template = (
+            jinja.read_text() if jinja.is_file() else self.config.get("chat_template")
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import CloudProcess
+from cloud.process import CloudProcess
 from tests.tiny_models import make_tiny_qwen2
 
 

@@ -6,8 +6,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cloud.process import CloudProcess
 from shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
-from tests.processes import CloudProcess
 
 pytestmark = pytest.mark.slow
 VOCAB = 256  # tests/tiny_models default

@@ -66,7 +66,13 @@ class TritonPythonModel:
             )
         threads = _param(config, "threads") or os.environ.get("SPECSPLIT_TARGET_THREADS", "")
         self.idle_s = float(_param(config, "session_idle_s", "600"))
-        self.target = TargetModel(target_dir, threads=int(threads) if threads else None)
+        dtype = os.environ.get("SPECSPLIT_TARGET_DTYPE") or _param(config, "dtype", "auto")
+        try:
+            self.target = TargetModel(
+                target_dir, threads=int(threads) if threads else None, dtype=dtype
+            )
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from e
 
     def execute(self, requests):
         self.target.evict_idle(self.idle_s)
