@@ -56,5 +56,11 @@ demo: setup
 	$(PY) -m bench.demo $(if $(PROMPT),--prompt "$(PROMPT)") --max-new-tokens $(MAX_TOKENS) \
 		--temperature $(TEMPERATURE) --k $(K)
 
+bench: setup
+	$(PY) -m bench.run
+
+bench-quick: setup
+	$(PY) -m bench.run --quick
+
 clean:
 	rm -rf $(PB_DIR) .pytest_cache .ruff_cache .hypothesis

@@ -55,6 +55,7 @@ async def stream_split(client, prompt, cfg, codec):
         async for chunk in gen:
             text.append(decoder.push(chunk))
             live.update(Group(text, Text(_status(gen), style="bold cyan")))
+    console.print()
     return gen
 
 

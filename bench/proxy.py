@@ -78,6 +78,8 @@ class DelayProxy:
         self._conns.add(task)
         try:
             await self._handle(r, w)
+        except asyncio.CancelledError:
+            w.close()  # the proxy is closing: drop the connection quietly
         finally:
             self._conns.discard(task)
 

@@ -66,6 +66,7 @@ class GenerationStats:
     round_ms: list[float] = field(default_factory=list)  # per round, send -> verdict
     verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
     server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
+    queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
     token_times_s: list[float] = field(default_factory=list)  # commit time of each token
 
     @property
@@ -267,6 +268,7 @@ class _Session:
             stats.round_ms.append((t2 - t1) * 1e3)
             stats.verify_ms.append(v.timings.verify_ms)
             stats.server_ms.append(v.timings.server_ms)
+            stats.queue_ms.append(v.timings.queue_ms)
             yield chunk
             if v.finished:
                 return

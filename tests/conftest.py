@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cloud.process import CloudProcess
-from tests.tiny_models import make_tiny_qwen2
+from shared.tiny import make_tiny_qwen2
 
 
 @dataclass(frozen=True)

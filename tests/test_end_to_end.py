@@ -15,7 +15,7 @@ from edge.client import GenerationConfig, SplitClient
 from edge.drafter import OnnxDrafter
 from shared.acceptance import Mode
 from shared.sampling import SamplingConfig, logits_to_probs
-from tests.tiny_models import reference_greedy
+from shared.tiny import reference_greedy
 
 pytestmark = pytest.mark.slow
 

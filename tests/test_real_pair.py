@@ -32,7 +32,7 @@ def pair():
 
 
 def transformers_greedy(model_dir, prompt_ids, n):
-    from tests.tiny_models import reference_greedy
+    from shared.tiny import reference_greedy
 
     try:
         return reference_greedy(model_dir, prompt_ids, n)

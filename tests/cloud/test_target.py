@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from cloud.target import SessionNotFound, SessionParams, TargetModel
 from shared.acceptance import Mode
 from shared.sampling import SamplingConfig, SparseDist
-from tests.tiny_models import make_tiny_qwen2, reference_greedy
+from shared.tiny import make_tiny_qwen2, reference_greedy
 
 GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import make_tiny_qwen2
+from shared.tiny import make_tiny_qwen2
 
 
 def make_untied(path: Path, seed: int) -> Path:

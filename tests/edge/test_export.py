@@ -14,7 +14,7 @@ import pytest
 
 from edge.drafter import OnnxDrafter
 from edge.export import export_onnx
-from tests.tiny_models import make_tiny_qwen2, reference_greedy
+from shared.tiny import make_tiny_qwen2, reference_greedy
 
 CPU = ["CPUExecutionProvider"]
 PROMPT = [3, 17, 99, 5, 200, 41, 7, 128, 64]

@@ -1,6 +1,7 @@
-"""Tiny randomly initialised Qwen2 models, saved as Hugging Face directories.
+"""Tiny randomly initialised Qwen2 models, saved as Hugging Face directories (build/test time).
 
-Same architecture as the real pair, small enough that tests need no download. ``init_range`` is
+Same architecture as the real pair, small enough that tests and the overhead benchmark need no
+download. ``init_range`` is
 larger than the usual 0.02 so logits are peaked (no near-ties between ONNX Runtime and torch).
 """
 

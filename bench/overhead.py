@@ -1,0 +1,85 @@
+"""Per-round overhead on loopback: round time minus model compute, and where it goes.
+
+A tiny target (so compute is small and stable) behind the real Triton + gateway, its own ONNX
+export as the draft (every block accepted), greedy, k = 4. Per round the edge measures send ->
+verdict (round); the gateway reports its own time (server) and the Triton round trip minus the
+model's time (triton); the model reports its forward + acceptance (verify). Then:
+    overhead       = round - verify
+    edge<->gateway = round - server    (edge and gateway serialisation, the gRPC hop)
+    gateway        = server - triton - verify   (validation, bookkeeping, tritonclient)
+    triton         = Triton queueing, transport to the Python backend stub, IPC
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from cloud.process import CloudProcess
+from edge.client import GenerationConfig, SplitClient
+
+ROUNDS_PER_RUN = 100
+
+
+def _percentiles(values: np.ndarray) -> dict:
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+async def _collect(address: str, draft_dir: Path, runs: int) -> dict[str, np.ndarray]:
+    from edge.drafter import OnnxDrafter
+
+    drafter = OnnxDrafter(draft_dir, threads=1)
+    cols = {"round": [], "verify": [], "server": [], "triton": []}
+    cfg = GenerationConfig(max_new_tokens=5 * ROUNDS_PER_RUN, draft_tokens=4)
+    async with SplitClient(address, drafter) as client:
+        await client.generate([1, 2, 3], GenerationConfig(max_new_tokens=20)).collect()  # warm-up
+        for run in range(runs):
+            gen = client.generate([1 + run, 2, 3], cfg)
+            await gen.collect()
+            s = gen.stats
+            cols["round"] += s.round_ms
+            cols["verify"] += s.verify_ms
+            cols["server"] += s.server_ms
+            cols["triton"] += s.queue_ms
+    return {k: np.asarray(v) for k, v in cols.items()}
+
+
+def measure_overhead(edge_cores: set[int], cloud_cores: set[int], runs: int = 3) -> dict:
+    from edge.export import export_onnx
+    from shared.tiny import make_tiny_qwen2
+
+    with tempfile.TemporaryDirectory(prefix="specsplit-overhead-") as tmp:
+        tmp = Path(tmp)
+        target = make_tiny_qwen2(tmp / "target", seed=0, hidden_size=64, layers=2)
+        draft = export_onnx(target, tmp / "draft-onnx")
+        with CloudProcess(
+            "--target", str(target), "--threads", "1", log_dir=tmp, cpus=cloud_cores
+        ) as cloud:
+            c = asyncio.run(_collect(cloud.address, draft, runs))
+    parts = {
+        "round (edge: send -> verdict)": c["round"],
+        "model compute (verify)": c["verify"],
+        "overhead = round - verify": c["round"] - c["verify"],
+        "edge <-> gateway (gRPC hop, serialisation)": c["round"] - c["server"],
+        "gateway (validation, bookkeeping, client)": c["server"] - c["triton"] - c["verify"],
+        "triton (queue, transport, backend IPC)": c["triton"],
+    }
+    return {
+        "rounds": int(c["round"].size),
+        "model": "tiny qwen2 (hidden 64, 2 layers), draft = target, k = 4, greedy",
+        "ms": {name: _percentiles(v) for name, v in parts.items()},
+    }
+
+
+if __name__ == "__main__":
+    import json
+    import os
+
+    from bench.demo import split_cores
+
+    edge, cloud = split_cores()
+    os.sched_setaffinity(0, edge)
+    print(json.dumps(measure_overhead(edge, cloud), indent=1))

@@ -1,0 +1,314 @@
+"""Turns a benchmark's raw JSONL into docs/<name>.md with tables and PNG plots.
+
+Every figure is computed here from the raw records, so ``python -m bench.report`` regenerates the
+report from the raw file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+TARGETS = {"speedup": 1.5, "passes_per_token": 0.35, "overhead_ms": 3.0}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def aggregate(records: list[dict]) -> dict:
+    """Figures of one group of generations (same config, possibly several prompts)."""
+    new = sum(r["new_tokens"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    itl = np.concatenate([np.diff(r["token_times_s"]) for r in records if r["token_times_s"]])
+    drafted = sum(r["drafted"] for r in records)
+    out = {
+        "n": len(records),
+        "tokens": new,
+        "tok_s": new / wall if wall else 0.0,
+        "ttft_ms": float(np.median([r["ttft_s"] for r in records])) * 1e3,
+        "itl_p50_ms": float(np.percentile(itl, 50)) * 1e3 if itl.size else 0.0,
+        "itl_p95_ms": float(np.percentile(itl, 95)) * 1e3 if itl.size else 0.0,
+        "acceptance": sum(r["accepted"] for r in records) / drafted if drafted else None,
+        "tokens_per_round": (new / sum(r["rounds"] for r in records))
+        if records[0]["mode"] != "edge-only"
+        else None,
+        "passes_per_token": sum(r["target_forward_passes"] for r in records) / new,
+        "up_b_per_token": sum(r["bytes_up"] for r in records) / new,
+        "down_b_per_token": sum(r["bytes_down"] for r in records) / new,
+    }
+    out["ideal_tok_s"] = _ideal(records, out["acceptance"])
+    out["achieved_ideal"] = out["tok_s"] / out["ideal_tok_s"] if out["ideal_tok_s"] else None
+    rounds = [(r, v) for x in records for r, v in zip(x["round_ms"], x["verify_ms"], strict=False)]
+    out["overhead_p50_ms"] = (
+        float(np.median([r - v for r, v in rounds]))
+        if rounds and records[0]["rtt_ms"] == 0
+        else None
+    )
+    return out
+
+
+def _ideal(records: list[dict], alpha: float) -> float | None:
+    """DESIGN §4: E[tokens/round] = (1 - a^(k+1)) / (1 - a); round = k t_draft + RTT + t_verify."""
+    r0 = records[0]
+    verify = np.mean([v for r in records for v in r["verify_ms"]]) if r0["verify_ms"] else None
+    if r0["mode"] == "cloud-only":
+        return 1e3 / verify if verify else None
+    if r0["mode"] != "split" or verify is None:
+        return None
+    k = r0["k"]
+    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    draft = np.mean([d for r in records for d in r["draft_ms"]])
+    return expected / ((draft + r0["rtt_ms"] + verify) / 1e3)
+
+
+def group(records: list[dict], *fields: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        out[tuple(r[f] for f in fields)].append(r)
+    return out
+
+
+def _fmt(v, spec=".2f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def config_table(records: list[dict], temperature: float, cls: str | None) -> list[str]:
+    rows = [
+        r for r in records if r["temperature"] == temperature and (cls is None or r["class"] == cls)
+    ]
+    base = {
+        rtt: aggregate(g)["tok_s"]
+        for (rtt,), g in group([r for r in rows if r["mode"] == "cloud-only"], "rtt_ms").items()
+    }
+    edge_only = [r for r in rows if r["mode"] == "edge-only"]
+    lines = [
+        "| mode | k | RTT ms | tok/s | × cloud-only | TTFT ms | ITL p50 / p95 ms | acceptance |"
+        " tokens/round | target passes/token | bytes up / down per token | ideal tok/s |"
+        " achieved/ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (mode, k, rtt), g in sorted(
+        group(rows, "mode", "k", "rtt_ms").items(),
+        key=lambda x: (x[0][2], x[0][0] != "cloud-only", x[0][1]),
+    ):
+        if mode == "edge-only":
+            continue
+        a = aggregate(g)
+        lines.append(_row(mode, k, rtt, a, base.get(rtt)))
+    if edge_only:
+        lines.append(_row("edge-only", 0, None, aggregate(edge_only), base.get(0.0)))
+    return lines
+
+
+def _row(mode, k, rtt, a, base) -> str:
+    return (
+        f"| {mode} | {k or '–'} | {_fmt(rtt, 'g') if rtt is not None else 'n/a'} "
+        f"| {a['tok_s']:.2f} | {_fmt(a['tok_s'] / base if base else None)} "
+        f"| {a['ttft_ms']:.0f} | {a['itl_p50_ms']:.0f} / {a['itl_p95_ms']:.0f} "
+        f"| {_fmt(a['acceptance'])} | {_fmt(a['tokens_per_round'])} "
+        f"| {a['passes_per_token']:.2f} "
+        f"| {a['up_b_per_token']:.0f} / {a['down_b_per_token']:.0f} "
+        f"| {_fmt(a['ideal_tok_s'])} | {_fmt(a['achieved_ideal'])} |"
+    )
+
+
+def identical_to_target(records: list[dict]) -> tuple[int, int]:
+    """Greedy split outputs equal to cloud-only's for the same prompt and RTT: (equal, total)."""
+    ref = {
+        (r["prompt_id"], r["rtt_ms"]): r["token_ids"]
+        for r in records
+        if r["mode"] == "cloud-only" and r["temperature"] == 0
+    }
+    pairs = [
+        (r["token_ids"], ref.get((r["prompt_id"], r["rtt_ms"])))
+        for r in records
+        if r["mode"] == "split" and r["temperature"] == 0
+    ]
+    return sum(a == b for a, b in pairs if b is not None), sum(b is not None for _, b in pairs)
+
+
+def plots(records: list[dict], out: Path, name: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for temperature in sorted({r["temperature"] for r in records}):
+        rows = [r for r in records if r["temperature"] == temperature]
+        base = {
+            rtt: aggregate(g)["tok_s"]
+            for (rtt,), g in group([r for r in rows if r["mode"] == "cloud-only"], "rtt_ms").items()
+        }
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (k,), g in sorted(group([r for r in rows if r["mode"] == "split"], "k").items()):
+            pts = sorted(
+                (rtt, aggregate(gg)["tok_s"] / base[rtt])
+                for (rtt,), gg in group(g, "rtt_ms").items()
+                if rtt in base
+            )
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"split k={k}")
+        edge = [r for r in rows if r["mode"] == "edge-only"]
+        if edge and 0.0 in base:
+            ax.axhline(aggregate(edge)["tok_s"] / base[0.0], ls=":", c="gray", label="edge-only")
+        ax.axhline(1.0, c="black", lw=0.8, label="cloud-only")
+        ax.set(
+            xlabel="emulated RTT (ms)",
+            ylabel="tokens/s ÷ cloud-only",
+            title=f"speedup over cloud-only, temperature {temperature:g}",
+        )
+        ax.legend(fontsize=8)
+        files.append(f"img/{name}-speedup-t{temperature:g}.png")
+        fig.savefig(out / files[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    split = [r for r in records if r["mode"] == "split"]
+    labels, values = [], []
+    for (cls, t), g in sorted(group(split, "class", "temperature").items()):
+        labels.append(f"{cls}\nT={t:g}")
+        values.append(aggregate(g)["acceptance"])
+    ax.bar(labels, values, color="tab:blue")
+    ax.set(ylim=(0, 1), ylabel="acceptance rate", title="acceptance per prompt class (all k, RTT)")
+    files.append(f"img/{name}-acceptance.png")
+    fig.savefig(out / files[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return files
+
+
+def _headline(records: list[dict]) -> tuple[list[str], dict]:
+    rows = [
+        r
+        for r in records
+        if r["temperature"] == 0
+        and r["rtt_ms"] == 0
+        and r["class"] == "code"
+        and r["mode"] != "edge-only"
+    ]
+    base = aggregate([r for r in rows if r["mode"] == "cloud-only"])
+    best = {}
+    lines = [
+        "| mode | k | tok/s | × cloud-only | target passes/token | acceptance |"
+        " overhead p50 ms/round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (mode, k), g in sorted(group(rows, "mode", "k").items(), key=lambda x: x[0][1]):
+        a = aggregate(g)
+        speedup = a["tok_s"] / base["tok_s"]
+        if mode == "split" and speedup > best.get("speedup", 0):
+            best = {"k": k, "speedup": speedup, **a}
+        lines.append(
+            f"| {mode} | {k or '–'} | {a['tok_s']:.2f} | {speedup:.2f} "
+            f"| {a['passes_per_token']:.2f} | {_fmt(a['acceptance'])} "
+            f"| {_fmt(a['overhead_p50_ms'], '.1f') if mode == 'split' else '–'} |"
+        )
+    return lines, best
+
+
+def _targets(best: dict, overhead: dict | None) -> list[str]:
+    ov = overhead["ms"]["overhead = round - verify"]["p50"] if overhead else None
+    checks = [
+        ("split ≥ 1.5× cloud-only tokens/s", best.get("speedup"), TARGETS["speedup"], ">="),
+        (
+            "target passes per generated token ≤ 0.35",
+            best.get("passes_per_token"),
+            TARGETS["passes_per_token"],
+            "<=",
+        ),
+        ("overhead ≤ 3 ms per round at p50 (micro-benchmark)", ov, TARGETS["overhead_ms"], "<="),
+    ]
+    lines = []
+    for label, value, target, op in checks:
+        met = value is not None and (value >= target if op == ">=" else value <= target)
+        lines.append(
+            f"- {'met' if met else 'MISSED'}: {label} — measured {_fmt(value)}"
+            + (f" (best k = {best['k']})" if best and "cloud" in label else "")
+        )
+    return lines
+
+
+def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
+    records = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+    meta = json.loads(meta_path.read_text())
+    (out / "img").mkdir(parents=True, exist_ok=True)
+    images = plots(records, out, name)
+    headline, best = _headline(records)
+    same, total = identical_to_target(records)
+    plan = meta["plan"]
+    md = [
+        f"# specsplit benchmarks{' (quick subset)' if 'quick' in name else ''}",
+        "",
+        f"Generated by `make {'bench-quick' if 'quick' in name else 'bench'}` on {meta['date']}"
+        f" in {meta.get('wall_s', 0) / 60:.0f} min. Raw records: `{raw.name}`; regenerate this"
+        f" page from them with `python -m bench.report {raw.name}`.",
+        "",
+        "## Conditions",
+        "",
+        f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} "
+        f"{platform.machine()}, Python {sys.version.split()[0]}, no GPU.",
+        f"- Target: `{Path(meta['target']).name}` in Triton (Python backend, torch, dtype "
+        f"{meta['target_dtype']}, auto = float32 on CPU), pinned to cores {meta['cloud_cores']}"
+        f" with {len(meta['cloud_cores'])} thread(s) in every mode.",
+        f"- Draft: `{Path(meta['draft']).name}` in ONNX Runtime (CPU EP, "
+        f"{meta['draft_precision']}), pinned to cores {meta['edge_cores']} "
+        f"with {len(meta['edge_cores'])} thread(s).",
+        f"- {plan['prompts']} prompts (`bench/prompts.jsonl`, chat template), "
+        f"{plan['max_new_tokens']} new tokens each; k ∈ {list(plan['ks'])}, temperature ∈ "
+        f"{list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms.",
+        "- RTT is emulated by an asyncio TCP proxy between edge and gateway that holds each chunk"
+        " RTT/2 in each direction: latency only, no bandwidth limit, loss or jitter. RTT 0 is a"
+        " direct loopback connection.",
+        "- tok/s = generated tokens / wall time seen at the edge, over all prompts of a row;"
+        " ITL = time between successive tokens reaching the client (tokens committed together"
+        " count 0); bytes are protobuf payload sizes (no HTTP/2 framing); ideal tok/s follows"
+        " DESIGN §4 from the measured acceptance, draft time, verify time and RTT.",
+        "",
+        "## Headline: RTT 0, greedy, code prompts",
+        "",
+        *headline,
+        "",
+        f"Greedy split output identical to the target's own (cloud-only) output: {same}/{total}"
+        " generations.",
+        "",
+        "### Targets",
+        "",
+        *_targets(best, meta.get("overhead")),
+        "",
+    ]
+    for t in sorted({r["temperature"] for r in records}):
+        for cls in ("code", "prose"):
+            md += [f"## Temperature {t:g}, {cls} prompts", "", *config_table(records, t, cls), ""]
+    if "overhead" in meta:
+        ov = meta["overhead"]
+        md += [
+            "## Per-round overhead on loopback",
+            "",
+            f"{ov['model']}, {ov['rounds']} rounds.",
+            "",
+            "| part | p50 ms | p99 ms |",
+            "|---|---|---|",
+        ]
+        md += [f"| {k} | {v['p50']:.2f} | {v['p99']:.2f} |" for k, v in ov["ms"].items()]
+        md.append("")
+    md += ["## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images] + [""]
+    path = out / f"{name}.md"
+    path.write_text("\n".join(md))
+    return path
+
+
+if __name__ == "__main__":
+    raw_path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/benchmarks-raw.jsonl")
+    stem = raw_path.name.removesuffix("-raw.jsonl")
+    print(write_report(raw_path, raw_path.with_name(f"{stem}-meta.json"), raw_path.parent, stem))

@@ -1,0 +1,211 @@
+"""`make bench`: split vs cloud-only vs edge-only, side by side in one run, with emulated RTT.
+
+One cloud process (Triton + gateway) pinned to half the cores, the edge (drafter, client, delay
+proxy) pinned to the other half, the same thread counts in every mode. For each temperature and
+RTT, every mode runs over the same prompts before the next RTT, so the compared figures come from
+the same minutes of the same machine. Each generation is appended to the raw JSONL as soon as it
+finishes: an interrupted run loses nothing, and ``--resume`` continues it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench.demo import split_cores
+from bench.proxy import DelayProxy
+from cloud.process import CloudProcess
+from edge.client import GenerationConfig, SplitClient
+from shared.sampling import SamplingConfig
+
+HERE = Path(__file__).parent
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    k: int  # 0 for cloud-only / edge-only
+    temperature: float
+    rtt_ms: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}/k{self.k}/t{self.temperature}/rtt{self.rtt_ms:g}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    ks: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    rtts_ms: tuple[float, ...]
+    prompts: tuple[dict, ...]
+    max_new_tokens: int
+
+    def configs(self) -> list[Config]:
+        out = []
+        for t in self.temperatures:
+            out.append(Config("edge-only", 0, t, 0.0))  # no network: measured once
+            for rtt in self.rtts_ms:
+                out.append(Config("cloud-only", 0, t, rtt))
+                out += [Config("split", k, t, rtt) for k in self.ks]
+        return out
+
+
+def load_prompts() -> list[dict]:
+    return [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines()]
+
+
+def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
+    prompts = load_prompts()
+    if quick:
+        code = [p for p in prompts if p["class"] == "code"][:3]
+        prose = [p for p in prompts if p["class"] == "prose"][:1]
+        return Plan((2, 4), (0.0,), (0.0, 50.0), tuple(code + prose), max_new_tokens or 32)
+    return Plan(
+        (2, 4, 6, 8), (0.0, 0.7), (0.0, 20.0, 50.0, 100.0), tuple(prompts), max_new_tokens or 48
+    )
+
+
+async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed: int):
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_new,
+        sampling=SamplingConfig(temperature=cfg.temperature),
+        seed=seed,
+        draft_tokens=max(cfg.k, 1),
+    )
+    async with SplitClient(None if cfg.mode == "edge-only" else address, drafter) as client:
+        gen = client.generate(prompt_ids, gen_cfg, mode=cfg.mode)
+        await gen.collect()
+    return gen
+
+
+def record(cfg: Config, prompt: dict, gen) -> dict:
+    s = gen.stats
+    return {
+        **asdict(cfg),
+        "key": cfg.key,
+        "prompt_id": prompt["id"],
+        "class": prompt["class"],
+        "token_ids": gen.token_ids,
+        **s.summary(),
+        "draft_ms": s.draft_ms,
+        "round_ms": s.round_ms,
+        "verify_ms": s.verify_ms,
+        "server_ms": s.server_ms,
+        "queue_ms": s.queue_ms,
+        "token_times_s": s.token_times_s,
+    }
+
+
+async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set) -> None:
+    gateway_port = int(address.rsplit(":", 1)[1])
+    encoded = {p["id"]: codec.chat_prompt(p["prompt"]) for p in plan.prompts}
+    await generate(address, drafter, encoded[plan.prompts[0]["id"]], Config("split", 4, 0, 0), 8, 0)
+    todo = [(c, p) for c in plan.configs() for p in plan.prompts if (c.key, p["id"]) not in done]
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress, raw.open("a") as out:
+        task = progress.add_task("generations", total=len(todo))
+        for cfg, prompt in todo:
+            progress.update(task, description=f"{cfg.key:28s} {prompt['id']}")
+            seed = zlib.crc32(prompt["id"].encode())
+            ids = encoded[prompt["id"]]
+            async with DelayProxy(gateway_port, cfg.rtt_ms) as proxy:
+                # RTT 0 goes direct: no proxy hop in the loopback baseline
+                via = f"127.0.0.1:{proxy.port}" if cfg.rtt_ms > 0 else address
+                gen = await generate(via, drafter, ids, cfg, plan.max_new_tokens, seed)
+            out.write(json.dumps(record(cfg, prompt, gen)) + "\n")
+            out.flush()
+            progress.advance(task)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="make bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="small subset, a few minutes")
+    p.add_argument("--resume", action="store_true", help="continue the raw file of a stopped run")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--precision", choices=("fp32", "int8"), default="int8")
+    p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--out", type=Path, default=HERE.parent / "docs")
+    p.add_argument("--skip-overhead", action="store_true")
+    args = p.parse_args(argv)
+
+    from bench.overhead import measure_overhead
+    from bench.report import write_report
+    from edge.drafter import OnnxDrafter
+    from edge.models import ensure_draft_onnx
+    from edge.text import TextCodec
+    from shared.sources import resolve_model
+
+    name = "benchmarks-quick" if args.quick else "benchmarks"
+    raw = args.out / f"{name}-raw.jsonl"
+    meta_path = args.out / f"{name}-meta.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if args.resume and raw.exists():
+        done = {(r["key"], r["prompt_id"]) for r in map(json.loads, raw.read_text().splitlines())}
+    else:
+        raw.write_text("")
+    plan = make_plan(args.quick, args.max_new_tokens)
+    target_dir = resolve_model(args.target)
+    draft_dir = ensure_draft_onnx(args.draft, args.precision)
+    edge_cores, cloud_cores = split_cores()
+    os.sched_setaffinity(0, edge_cores)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "draft_precision": args.precision,
+        "target_dtype": args.target_dtype,
+        "edge_cores": sorted(edge_cores),
+        "cloud_cores": sorted(cloud_cores),
+        "plan": asdict(plan) | {"prompts": len(plan.prompts)},
+    }
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="specsplit-bench-") as logs:
+        cloud = CloudProcess(
+            "--target",
+            str(target_dir),
+            "--threads",
+            str(len(cloud_cores)),
+            "--dtype",
+            args.target_dtype,
+            log_dir=Path(logs),
+            cpus=cloud_cores,
+        )
+        with console.status("starting the cloud ..."):
+            cloud.start()
+        try:
+            drafter = OnnxDrafter(draft_dir, threads=len(edge_cores))
+            asyncio.run(run_all(plan, cloud.address, drafter, TextCodec(draft_dir), raw, done))
+        finally:
+            cloud.stop()
+    meta["wall_s"] = time.monotonic() - t0
+    if not args.skip_overhead:
+        meta["overhead"] = measure_overhead(edge_cores, cloud_cores)
+    meta_path.write_text(json.dumps(meta, indent=1))
+    report = write_report(raw, meta_path, args.out, name)
+    console.print(f"report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
