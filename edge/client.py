@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from edge.drafting import DEFAULT_Q_ENTRIES, Drafter, draft_block, generate_edge_only
+from edge.drafting import DEFAULT_Q_ENTRIES, Block, Drafter, draft_block, generate_edge_only
 from shared.acceptance import Mode
 from shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, pb_grpc, sampling_params, sparse_to_pb
 from shared.sampling import SamplingConfig
@@ -147,6 +147,11 @@ class SplitClient:
             raise ValueError(f"mode {mode} needs a drafter")
         if mode != "edge-only" and self._stub is None:
             raise ValueError(f"mode {mode} needs a server address")
+        if mode != "cloud-only" and max(prompt_ids) >= self.drafter.vocab_size:
+            raise ValueError(
+                f"prompt token id {max(prompt_ids)} outside the draft's vocabulary "
+                f"[0, {self.drafter.vocab_size})"
+            )
         stats = GenerationStats(mode=mode)
         if mode == "edge-only":
             return Generation(self._edge_only(list(prompt_ids), cfg, stats), stats)
@@ -218,10 +223,12 @@ class _Session:
             cloud_only=cloud_only,
         )
         await self._send(pb.ClientMessage(start=start))
+        # Draft the first block (the draft's own prefill included) while the cloud prefills.
+        first = None if cloud_only else self._draft(min(cfg.draft_tokens, self.max_new_tokens - 1))
         started = await self._recv("started")
         if not cloud_only:
             self._check_pair(started.model)
-        rounds = self._cloud_only() if cloud_only else self._split(started)
+        rounds = self._cloud_only() if cloud_only else self._split(started, first)
         async for chunk in rounds:
             yield chunk
         finished = await self._recv("finished")
@@ -237,7 +244,15 @@ class _Session:
                 f"{model.name!r} ({model.vocab_size}): not a matching draft model",
             )
 
-    async def _split(self, started: pb.Started) -> AsyncIterator[list[int]]:
+    def _draft(self, k: int) -> tuple[Block, float]:
+        """A block of k tokens after the committed prefix, and the time it took (ms)."""
+        cfg = self.cfg
+        rng = round_rng(cfg.seed, "draft", len(self.committed))
+        t0 = time.perf_counter()
+        block = draft_block(self.drafter, self.committed, k, cfg.sampling, rng, cfg.q_entries)
+        return block, (time.perf_counter() - t0) * 1e3
+
+    async def _split(self, started: pb.Started, first) -> AsyncIterator[list[int]]:
         cfg, stats = self.cfg, self.stats
         k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
         mode = started.verification
@@ -248,9 +263,11 @@ class _Session:
             # A round emits up to k + 1 tokens: never draft past the length limit.
             k = max(0, min(k_max, remaining - 1))
             base_len = len(self.committed)
-            rng = round_rng(cfg.seed, "draft", base_len)
-            t0 = time.perf_counter()
-            block = draft_block(self.drafter, self.committed, k, cfg.sampling, rng, cfg.q_entries)
+            if first is not None:  # drafted during the prefill, before the limits were known
+                (block, draft_ms), first = first, None
+                block = block.head(k)
+            else:
+                block, draft_ms = self._draft(k)
             t1 = time.perf_counter()
             draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens)
             if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
@@ -264,7 +281,7 @@ class _Session:
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += v.accepted
-            stats.draft_ms.append((t1 - t0) * 1e3)
+            stats.draft_ms.append(draft_ms)
             stats.round_ms.append((t2 - t1) * 1e3)
             stats.verify_ms.append(v.timings.verify_ms)
             stats.server_ms.append(v.timings.server_ms)

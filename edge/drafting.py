@@ -35,6 +35,10 @@ class Block:
     tokens: list[int]  # d_1..d_k
     q: list[SparseDist] | None  # q_1..q_k when sampling, None when greedy
 
+    def head(self, k: int) -> Block:
+        """The first k drafts (each d_i and q_i depend only on what precedes them)."""
+        return Block(self.tokens[:k], None if self.q is None else self.q[:k])
+
 
 def draft_distribution(logits: np.ndarray, cfg: SamplingConfig, max_entries: int) -> SparseDist:
     """The draft's q from logits [V]: the max_entries most likely tokens, then temperature,

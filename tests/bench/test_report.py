@@ -1,0 +1,96 @@
+"""Report figures from synthetic raw records: the formulas, not the machine."""
+
+import json
+
+import pytest
+
+from bench.report import aggregate, identical_to_target, write_report
+
+
+def rec(mode="split", k=4, rtt=0.0, new=10, wall=2.0, accepted=6, drafted=8, rounds=4, **kw):
+    r = {
+        "mode": mode,
+        "k": k,
+        "temperature": 0.0,
+        "rtt_ms": rtt,
+        "prompt_id": "p",
+        "class": "code",
+        "token_ids": list(range(new)),
+        "new_tokens": new,
+        "wall_s": wall,
+        "ttft_s": 0.5,
+        "accepted": accepted,
+        "drafted": drafted,
+        "rounds": rounds,
+        "target_forward_passes": rounds,
+        "bytes_up": 40,
+        "bytes_down": 100,
+        "draft_ms": [20.0] * rounds,
+        "round_ms": [105.0] * rounds,
+        "verify_ms": [100.0] * rounds,
+        "token_times_s": [0.5 + 0.1 * i for i in range(new)],
+    }
+    r.update(kw)
+    return r
+
+
+def test_aggregate_sums_over_prompts():
+    a = aggregate([rec(), rec(new=30, wall=2.0, rounds=8, accepted=18, drafted=24)])
+    assert a["tok_s"] == pytest.approx(40 / 4.0)
+    assert a["acceptance"] == pytest.approx(24 / 32)
+    assert a["passes_per_token"] == pytest.approx(12 / 40)
+    assert a["tokens_per_round"] == pytest.approx(40 / 12)
+    assert a["up_b_per_token"] == pytest.approx(80 / 40)
+    assert a["overhead_p50_ms"] == pytest.approx(5.0)
+
+
+def test_ideal_follows_design_formula():
+    # alpha = 0.5, k = 4: E = (1 - 0.5^5) / 0.5 = 1.9375 tokens per round of 20 + 50 + 100 ms
+    a = aggregate([rec(rtt=50.0, accepted=4, drafted=8)])
+    assert a["ideal_tok_s"] == pytest.approx(1.9375 / 0.170)
+    assert a["overhead_p50_ms"] is None  # only measured without emulated RTT
+    full = aggregate([rec(accepted=8, drafted=8)])
+    assert full["ideal_tok_s"] == pytest.approx(5 / 0.120)  # alpha = 1: k + 1 per round
+
+
+def test_cloud_only_ideal_is_one_token_per_forward():
+    a = aggregate([rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10)])
+    assert a["ideal_tok_s"] == pytest.approx(10.0)
+    assert a["acceptance"] is None
+
+
+def test_identical_to_target_counts_greedy_pairs():
+    cloud = rec(mode="cloud-only", k=0)
+    same, other = rec(), rec(k=2, token_ids=[9] * 10)
+    assert identical_to_target([cloud, same, other]) == (1, 2)
+
+
+def test_write_report_from_raw_alone(tmp_path):
+    raw = tmp_path / "b-raw.jsonl"
+    records = [rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0), rec()]
+    raw.write_text("\n".join(json.dumps(r) for r in records))
+    meta = tmp_path / "b-meta.json"
+    meta.write_text(
+        json.dumps(
+            {
+                "date": "today",
+                "target": "/t",
+                "draft": "/d",
+                "draft_precision": "int8",
+                "target_dtype": "auto",
+                "edge_cores": [0],
+                "cloud_cores": [1],
+                "plan": {
+                    "ks": [4],
+                    "temperatures": [0.0],
+                    "rtts_ms": [0.0],
+                    "prompts": 1,
+                    "max_new_tokens": 10,
+                },
+            }
+        )
+    )
+    text = write_report(raw, meta, tmp_path, "b").read_text()
+    assert "| split | 4 | 5.00 | 2.00 |" in text  # 10 tokens / 2 s vs 10 / 4 s
+    assert "met: split ≥ 1.5× cloud-only" in text
+    assert (tmp_path / "img" / "b-speedup-t0.png").stat().st_size > 0
