@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from shared.sources import resolve_model
 
     name = "benchmarks-quick" if args.quick else "benchmarks"
+    if args.target_dtype != "auto":
+        name += f"-{args.target_dtype}"
     raw = args.out / f"{name}-raw.jsonl"
     meta_path = args.out / f"{name}-meta.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -178,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         "edge_cores": sorted(edge_cores),
         "cloud_cores": sorted(cloud_cores),
         "plan": asdict(plan) | {"prompts": len(plan.prompts)},
+        "planned": len(plan.configs()) * len(plan.prompts),
     }
+    meta_path.write_text(json.dumps(meta, indent=1))  # a stopped run can still be reported
     t0 = time.monotonic()
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="specsplit-bench-") as logs:
         cloud = CloudProcess(
             "--target",
@@ -196,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             drafter = OnnxDrafter(draft_dir, threads=len(edge_cores))
             asyncio.run(run_all(plan, cloud.address, drafter, TextCodec(draft_dir), raw, done))
+        except KeyboardInterrupt:
+            interrupted = True  # keep what was measured; report it below
+            console.print("[yellow]interrupted: reporting the generations finished so far")
         finally:
             cloud.stop()
     meta["wall_s"] = time.monotonic() - t0
-    if not args.skip_overhead:
+    if not (args.skip_overhead or interrupted):
         meta["overhead"] = measure_overhead(edge_cores, cloud_cores)
     meta_path.write_text(json.dumps(meta, indent=1))
     report = write_report(raw, meta_path, args.out, name)
