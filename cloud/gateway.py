@@ -91,6 +91,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.active = 0
         self._client: aioclient.InferenceServerClient | None = None
         self._closing: set[asyncio.Task] = set()
+        self.health_task: asyncio.Task | None = None
 
     @property
     def client(self) -> aioclient.InferenceServerClient:
@@ -99,6 +100,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         return self._client
 
     async def close(self) -> None:
+        if self.health_task is not None:
+            self.health_task.cancel()
         if self._closing:
             await asyncio.wait(self._closing, timeout=10)
         if self._client is not None:
@@ -316,6 +319,24 @@ async def start_gateway(
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await _update_health(service, health_servicer)  # known before anyone is told we are ready
+    service.health_task = asyncio.create_task(_watch_health(service, health_servicer))
     return server, bound, service
+
+
+async def _update_health(service: SpeculativeService, servicer, timeout_s: float = 2.0) -> None:
+    try:
+        ready = await asyncio.wait_for(service.client.is_model_ready("target"), timeout_s)
+    except Exception:
+        ready = False
+    status = health_pb2.HealthCheckResponse
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status.SERVING if ready else status.NOT_SERVING)
+
+
+async def _watch_health(service: SpeculativeService, servicer, period_s: float = 2.0) -> None:
+    """Health follows the target's readiness in Triton, so a balancer stops routing here when
+    the inference server is down."""
+    while True:
+        await asyncio.sleep(period_s)
+        await _update_health(service, servicer)

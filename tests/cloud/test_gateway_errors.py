@@ -163,3 +163,8 @@ def test_triton_down_gives_unavailable(tiny, tmp_path):
         "--target", str(tiny.target), "--triton-url", dead, log_dir=tmp_path
     ) as gateway_only:
         expect_error(gateway_only.address, [start()], grpc.StatusCode.UNAVAILABLE, "unavailable")
+        with grpc.insecure_channel(gateway_only.address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
+            )
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,0 +1,65 @@
+"""TextCodec on a tiny tokenizer made in the test: chat template, streaming decode."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from edge.text import TextCodec
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    # Byte-level BPE with no merges: every byte is a token, so multi-byte characters span tokens.
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def test_encode_decode_roundtrip(model_dir):
+    codec = TextCodec(model_dir)
+    assert codec.decode(codec.encode("def f(x): return x * 2")) == "def f(x): return x * 2"
+
+
+@pytest.mark.parametrize("where", ["inline", "jinja_file"])
+def test_chat_prompt_renders_the_models_template(model_dir, where):
+    if where == "inline":
+        (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    else:
+        (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    codec = TextCodec(model_dir)
+    ids = codec.chat_prompt("hi")
+    expected = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == codec.encode(expected)
+    assert codec.tokenizer.token_to_id("<|im_start|>") in ids  # special tokens stay whole
+
+
+def test_chat_prompt_without_template_is_an_error(model_dir):
+    with pytest.raises(ValueError, match="no chat template"):
+        TextCodec(model_dir).chat_prompt("hi")
+
+
+def test_stream_holds_back_split_characters(model_dir):
+    codec = TextCodec(model_dir)
+    text = "añ€😀b"
+    ids = codec.encode(text)
+    assert len(ids) > len(text)  # multi-byte characters take several tokens
+    stream = codec.stream()
+    deltas = [stream.push([i]) for i in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--prompt-ids"):
+        TextCodec(tmp_path)
