@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -26,6 +27,20 @@ from shared.sampling import SamplingConfig
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 console = Console(stderr=True)
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM and SIGINT both raise KeyboardInterrupt, so the cleanup paths run.
+
+    SIGINT is re-armed too: a program started in the background by a non-interactive shell
+    inherits it ignored, and would then ignore Ctrl-C style stops entirely.
+    """
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def split_cores() -> tuple[set[int], set[int]]:
@@ -132,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("fp32", "int8"), default="int8")
     p.add_argument("--no-compare", action="store_true", help="skip the cloud-only/edge-only runs")
     args = p.parse_args(argv)
+    interrupt_on_sigterm()
 
     from edge.models import ensure_draft_onnx
     from shared.sources import resolve_model

@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.demo import split_cores
+from bench.demo import interrupt_on_sigterm, split_cores
 from bench.proxy import DelayProxy
 from cloud.process import CloudProcess
 from edge.client import GenerationConfig, SplitClient
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     p.add_argument("--skip-overhead", action="store_true")
     args = p.parse_args(argv)
+    interrupt_on_sigterm()
 
     from bench.overhead import measure_overhead
     from bench.report import write_report

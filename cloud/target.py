@@ -85,6 +85,7 @@ class TargetModel:
         device: str | None = None,
         threads: int | None = None,
         dtype: str = "auto",
+        packed_linear: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,6 +96,10 @@ class TargetModel:
         self.config = AutoConfig.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
         self.model.eval()
+        if self.device.type == "cpu" and dtype == torch.float32 and packed_linear:
+            from cloud.packed_linear import pack_linears
+
+            log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         self.vocab_size = int(self.config.vocab_size)
         self.sessions: dict[int, _Session] = {}
         self.forward_passes = 0

@@ -77,8 +77,13 @@ def test_bad_arguments_give_clear_errors(cloud, tiny):
     )
     assert r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr and "vocabulary" in r.stderr
     r = edge(
-        "generate", "--server", cloud.address, "--draft", str(tiny.draft_onnx),
-        "--prompt-ids", "1,99999",
+        "generate",
+        "--server",
+        cloud.address,
+        "--draft",
+        str(tiny.draft_onnx),
+        "--prompt-ids",
+        "1,99999",
     )
     assert r.returncode == 2 and "outside the draft's vocabulary" in r.stderr
     r = edge("generate", "--mode", "cloud-only", "--prompt-ids", "1,x")

@@ -69,7 +69,10 @@ class TritonPythonModel:
         dtype = os.environ.get("SPECSPLIT_TARGET_DTYPE") or _param(config, "dtype", "auto")
         try:
             self.target = TargetModel(
-                target_dir, threads=int(threads) if threads else None, dtype=dtype
+                target_dir,
+                threads=int(threads) if threads else None,
+                dtype=dtype,
+                packed_linear=os.environ.get("SPECSPLIT_PACKED_LINEAR", "1") != "0",
             )
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from e
