@@ -74,12 +74,32 @@ def measure_overhead(edge_cores: set[int], cloud_cores: set[int], runs: int = 3)
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import argparse
     import json
     import os
 
     from bench.demo import split_cores
+    from bench.report import write_report
 
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
+    p.add_argument("--meta", type=Path, help="a run's *-meta.json: add the figures, re-report")
+    args = p.parse_args(argv)
     edge, cloud = split_cores()
     os.sched_setaffinity(0, edge)
-    print(json.dumps(measure_overhead(edge, cloud), indent=1))
+    result = measure_overhead(edge, cloud)
+    print(json.dumps(result, indent=1))
+    if args.meta:
+        meta = json.loads(args.meta.read_text()) | {"overhead": result}
+        args.meta.write_text(json.dumps(meta, indent=1))
+        stem = args.meta.name.removesuffix("-meta.json")
+        print(
+            write_report(
+                args.meta.with_name(f"{stem}-raw.jsonl"), args.meta, args.meta.parent, stem
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
