@@ -7,17 +7,17 @@ given CPU cores.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from cloud.triton import stop_process_group
 
 
 class CloudProcess:
@@ -82,18 +82,11 @@ class CloudProcess:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group (Triton stubs)
+        # The CLI stops Triton itself on SIGINT; the group kill then reaps any straggler.
+        code = stop_process_group(proc, grace_s, signal_group=False)
         if self._stderr is not None:
             self._stderr.close()
-        return proc.returncode
+        return code
 
     def __enter__(self) -> CloudProcess:
         return self.start()

@@ -85,6 +85,27 @@ class BundledTriton:
         return env
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float, signal_group: bool) -> int:
+    """SIGINT (to the leader, or to its whole group), SIGKILL after ``grace_s``, then SIGKILL
+    anything left in the group: nothing started under ``proc`` outlives it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            if signal_group:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGINT for %.0fs; killing its group", proc.pid, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -195,20 +216,9 @@ class TritonServer:
 
     def stop(self, grace_s: float = 15.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("tritonserver ignored SIGINT for %.0fs; killing", grace_s)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
         if proc is not None:
-            # Stubs live in Triton's process group; make sure none outlives it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            # Backend stubs live in Triton's process group: signal and reap the whole group.
+            stop_process_group(proc, grace_s, signal_group=True)
         for f in glob.glob(f"/dev/shm/{self._shm_prefix}*"):
             with contextlib.suppress(OSError):
                 os.unlink(f)
