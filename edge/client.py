@@ -162,10 +162,17 @@ class SplitClient:
         tokens = generate_edge_only(
             self.drafter, prompt, cfg.sampling, cfg.max_new_tokens, rng, frozenset(cfg.stop_ids)
         )
-        for token in tokens:
-            yield [token]
+        last = None
+        for last in tokens:
+            yield [last]
             await asyncio.sleep(0)  # let other tasks run between tokens
-        stats.finish = "done"
+        # Same reasons as the cloud reports, checked in the same order.
+        if last in self.drafter.eos_token_ids:
+            stats.finish = "EOS"
+        elif last in cfg.stop_ids:
+            stats.finish = "STOP_TOKEN"
+        else:
+            stats.finish = "LENGTH"
 
     async def _with_retries(self, prompt, cfg, stats, mode) -> AsyncIterator[list[int]]:
         """Runs the session; after UNAVAILABLE re-opens with the committed sequence as prompt."""

@@ -72,6 +72,7 @@ def test_edge_only_equals_draft_greedy(tiny, references):
     for prompt in PROMPTS:
         gen = run(generate(None, drafter, prompt, "edge-only", max_new_tokens=N_NEW))
         assert gen.token_ids == references["draft"][tuple(prompt)]
+        assert gen.stats.finish == "LENGTH"
 
 
 @pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
