@@ -14,13 +14,22 @@ place, and raised as ``SpecsplitError`` with the status code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import grpc
+import numpy as np
 
-from edge.drafting import DEFAULT_Q_ENTRIES, Block, Drafter, draft_block, generate_edge_only
+from edge.drafting import (
+    DEFAULT_Q_ENTRIES,
+    Block,
+    Drafter,
+    draft_block,
+    generate_edge_only,
+    next_logits,
+)
 from shared.acceptance import Mode
 from shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, pb_grpc, sampling_params, sparse_to_pb
 from shared.sampling import SamplingConfig
@@ -47,6 +56,9 @@ class GenerationConfig:
     q_entries: int = DEFAULT_Q_ENTRIES
     model: str = ""  # target model name; "" = the server's default
     retries: int = 2  # re-opens after UNAVAILABLE, continuing from the committed prefix
+    # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
+    # top token"; used when the verdict matches (DESIGN §4). Output is the same either way.
+    draft_ahead: bool = True
 
 
 @dataclass
@@ -61,6 +73,7 @@ class GenerationStats:
     ttft_s: float | None = None
     bytes_up: int = 0
     bytes_down: int = 0
+    ahead_hits: int = 0  # rounds whose block was drafted while the previous verdict was in flight
     finish: str = ""
     draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge
     round_ms: list[float] = field(default_factory=list)  # per round, send -> verdict
@@ -259,6 +272,24 @@ class _Session:
         block = draft_block(self.drafter, self.committed, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3
 
+    def _draft_ahead(self, seq: list[int], k: int) -> tuple[int, Block]:
+        """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
+        the bonus as the draft's top token and drafts the block after it. The block uses the
+        same per-position generator as a block drafted after the verdict, so it is identical."""
+        guess = int(np.argmax(next_logits(self.drafter, seq)))
+        rng = round_rng(self.cfg.seed, "draft", len(seq) + 1)
+        cfg = self.cfg
+        return guess, draft_block(self.drafter, [*seq, guess], k, cfg.sampling, rng, cfg.q_entries)
+
+    async def _verdict(self, ahead) -> pb.Verdict:
+        try:
+            return await self._recv("verdict")
+        except BaseException:
+            if ahead is not None:  # the drafter must be idle before anyone else touches it
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(ahead)
+            raise
+
     async def _split(self, started: pb.Started, first) -> AsyncIterator[list[int]]:
         cfg, stats = self.cfg, self.stats
         k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
@@ -270,7 +301,7 @@ class _Session:
             # A round emits up to k + 1 tokens: never draft past the length limit.
             k = max(0, min(k_max, remaining - 1))
             base_len = len(self.committed)
-            if first is not None:  # drafted during the prefill, before the limits were known
+            if first is not None:  # drafted early (prefill, or the previous verdict in flight)
                 (block, draft_ms), first = first, None
                 block = block.head(k)
             else:
@@ -280,8 +311,21 @@ class _Session:
             if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
                 draft.q.extend(sparse_to_pb(q) for q in block.q)
             await self._send(pb.ClientMessage(draft=draft))
-            v = await self._recv("verdict")
+            k_next = max(0, min(k_max, remaining - (k + 1) - 1))
+            ahead = None
+            if cfg.draft_ahead and k > 0 and k_next > 0:
+                seq = [*self.committed, *block.tokens]
+                ahead = asyncio.get_running_loop().run_in_executor(
+                    None, self._draft_ahead, seq, k_next
+                )
+            v = await self._verdict(ahead)
             t2 = time.perf_counter()
+            if ahead is not None:
+                guess, next_block = await ahead
+                waited_ms = (time.perf_counter() - t2) * 1e3
+                if v.accepted == k and v.has_token and v.token == guess and not v.finished:
+                    first = (next_block, waited_ms)  # only the wait is on the critical path
+                    stats.ahead_hits += 1
             chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
             self.committed += chunk
             remaining -= len(chunk)

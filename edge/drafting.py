@@ -57,7 +57,7 @@ def draft_distribution(logits: np.ndarray, cfg: SamplingConfig, max_entries: int
     return SparseDist(ids=ids.astype(np.int64), probs=probs)
 
 
-def _sync_cache(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
+def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
     """Rolls the cache back to its common prefix with ``committed``, feeds the rest; returns the
     logits [V] after the last committed token."""
     cached = drafter.cached
@@ -78,7 +78,7 @@ def draft_block(
     q_entries: int = DEFAULT_Q_ENTRIES,
 ) -> Block:
     """Proposes k tokens after ``committed``. d_k is not fed back (the verdict decides its fate)."""
-    logits = _sync_cache(drafter, committed)
+    logits = next_logits(drafter, committed)
     tokens: list[int] = []
     qs: list[SparseDist] = []
     for i in range(k):
@@ -105,7 +105,7 @@ def generate_edge_only(
     committed = list(prompt)
     stops = stop_ids | set(drafter.eos_token_ids)
     for _ in range(max_new_tokens):
-        logits = _sync_cache(drafter, committed)
+        logits = next_logits(drafter, committed)
         greedy = cfg.greedy
         token = int(np.argmax(logits)) if greedy else sample(logits_to_probs(logits, cfg), rng)
         committed.append(token)
