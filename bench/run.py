@@ -54,10 +54,10 @@ class Plan:
     max_new_tokens: int
 
     def configs(self) -> list[Config]:
-        out = []
-        for t in self.temperatures:
-            out.append(Config("edge-only", 0, t, 0.0))  # no network: measured once
-            for rtt in self.rtts_ms:
+        """RTT-major, so a run stopped early still covers every temperature at the low RTTs."""
+        out = [Config("edge-only", 0, t, 0.0) for t in self.temperatures]  # no network: once
+        for rtt in self.rtts_ms:
+            for t in self.temperatures:
                 out.append(Config("cloud-only", 0, t, rtt))
                 out += [Config("split", k, t, rtt) for k in self.ks]
         return out
