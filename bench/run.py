@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         "plan": asdict(plan) | {"prompts": len(plan.prompts)},
         "planned": len(plan.configs()) * len(plan.prompts),
     }
+    if done and meta_path.exists():  # a resumed run reports its first start and total time
+        before = json.loads(meta_path.read_text())
+        meta["date"] = before.get("date", meta["date"])
+        meta["resumed_wall_s"] = before.get("wall_s", 0.0) + before.get("resumed_wall_s", 0.0)
     meta_path.write_text(json.dumps(meta, indent=1))  # a stopped run can still be reported
     t0 = time.monotonic()
     interrupted = False
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print("[yellow]interrupted: reporting the generations finished so far")
         finally:
             cloud.stop()
-    meta["wall_s"] = time.monotonic() - t0
+    meta["wall_s"] = time.monotonic() - t0 + meta.pop("resumed_wall_s", 0.0)
     if not (args.skip_overhead or interrupted):
         meta["overhead"] = measure_overhead(edge_cores, cloud_cores)
     meta_path.write_text(json.dumps(meta, indent=1))
