@@ -72,7 +72,7 @@ def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
     if quick:
         code = [p for p in prompts if p["class"] == "code"][:3]
         prose = [p for p in prompts if p["class"] == "prose"][:1]
-        return Plan((2, 4), (0.0,), (0.0, 50.0), tuple(code + prose), max_new_tokens or 32)
+        return Plan((2, 4), (0.0,), (0.0, 50.0, 100.0), tuple(code + prose), max_new_tokens or 32)
     return Plan(
         (2, 4, 6, 8), (0.0, 0.7), (0.0, 20.0, 50.0, 100.0), tuple(prompts), max_new_tokens or 48
     )
