@@ -38,12 +38,21 @@ def _config(args) -> GenerationConfig:
     )
 
 
-async def _generate(args) -> int:
-    codec = None
-    if args.draft and (args.prompt is not None or not args.json):
-        from edge.text import TextCodec
+def _codec(args):
+    """The draft dir's tokenizer: required for --prompt text, else used when present."""
+    from edge.text import TextCodec
 
-        codec = TextCodec(args.draft)
+    if args.prompt is not None:
+        if not args.draft:
+            raise ValueError("--prompt needs a tokenizer: pass --draft DIR, or use --prompt-ids")
+        return TextCodec(args.draft)
+    if args.draft and (Path(args.draft) / "tokenizer.json").is_file():
+        return TextCodec(args.draft)
+    return None  # token ids in, token ids out
+
+
+async def _generate(args) -> int:
+    codec = _codec(args)
     prompt = _prompt_ids(args, codec)
     drafter = None
     if args.mode != "cloud-only":
@@ -55,9 +64,10 @@ async def _generate(args) -> int:
         gen = client.generate(prompt, _config(args), mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
         async for chunk in gen:
-            if stream is not None:
-                sys.stdout.write(stream.push(chunk))
-                sys.stdout.flush()
+            if args.json:
+                continue
+            sys.stdout.write(stream.push(chunk) if stream else "".join(f"{t} " for t in chunk))
+            sys.stdout.flush()
     s = gen.stats
     if args.json:
         out = {"text": codec.decode(gen.token_ids) if codec else None, "token_ids": gen.token_ids}
