@@ -143,7 +143,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
         session = self._open(first.start)
         await triton.start(session.prompt, session.sampling, session.mode, session.seed)
-        yield pb.ServerMessage(started=self._started(session, first.start))
+        yield pb.ServerMessage(started=self._started(session))
         if first.start.cloud_only:
             rounds = self._cloud_only(session, triton, it)
         else:
@@ -197,7 +197,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             stop_ids=frozenset(start.sampling.stop_token_ids),
         )
 
-    def _started(self, session: Session, start: pb.Start) -> pb.Started:
+    def _started(self, session: Session) -> pb.Started:
         lim = self.model.limits
         return pb.Started(
             session_id=uuid.uuid4().hex,

@@ -264,22 +264,22 @@ class _Session:
                 f"{model.name!r} ({model.vocab_size}): not a matching draft model",
             )
 
-    def _draft(self, k: int) -> tuple[Block, float]:
-        """A block of k tokens after the committed prefix, and the time it took (ms)."""
+    def _draft(self, k: int, prefix: list[int] | None = None) -> tuple[Block, float]:
+        """A block of k tokens after ``prefix`` (default: the committed prefix), and the time it
+        took (ms). The generator depends only on the prefix length, so a block drafted ahead for
+        a guessed prefix equals the one drafted after the verdict confirms it."""
         cfg = self.cfg
-        rng = round_rng(cfg.seed, "draft", len(self.committed))
+        seq = self.committed if prefix is None else prefix
+        rng = round_rng(cfg.seed, "draft", len(seq))
         t0 = time.perf_counter()
-        block = draft_block(self.drafter, self.committed, k, cfg.sampling, rng, cfg.q_entries)
+        block = draft_block(self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3
 
     def _draft_ahead(self, seq: list[int], k: int) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
-        the bonus as the draft's top token and drafts the block after it. The block uses the
-        same per-position generator as a block drafted after the verdict, so it is identical."""
+        the bonus as the draft's top token and drafts the block after it."""
         guess = int(np.argmax(next_logits(self.drafter, seq)))
-        rng = round_rng(self.cfg.seed, "draft", len(seq) + 1)
-        cfg = self.cfg
-        return guess, draft_block(self.drafter, [*seq, guess], k, cfg.sampling, rng, cfg.q_entries)
+        return guess, self._draft(k, [*seq, guess])[0]
 
     async def _verdict(self, ahead) -> pb.Verdict:
         try:
