@@ -7,8 +7,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/specsplit/v1/*.proto)
-PB_DIR := shared/_pb
-PB_STAMP := $(PB_DIR)/.generated
+STUBS := proto/specsplit/v1/*_pb2*.py*
 
 # demo options: make demo PROMPT="..." MAX_TOKENS=96 TEMPERATURE=0 K=4
 PROMPT ?=
@@ -18,28 +17,20 @@ K ?= 4
 
 .PHONY: setup proto test lint format demo bench bench-quick clean
 
-setup: $(STAMP) $(PB_STAMP)
+setup: $(STAMP)
 
 # torch goes first and pinned, so pip never resolves a multi-GB CUDA torch on a CPU machine.
-$(STAMP): pyproject.toml
+# The editable install runs the build hook in setup.py, which generates the gRPC stubs into
+# proto/specsplit/v1/ (gitignored): a changed .proto re-runs it.
+$(STAMP): pyproject.toml setup.py $(PROTO_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[edge,cloud,dev]'
+	$(PIP) install --quiet -e '.[edge,export,cloud,dev]'
 	touch $@
 
-proto: $(STAMP)
-	rm -rf $(PB_DIR) && $(MAKE) $(PB_STAMP)
-
-# Stubs are generated, never committed. grpc's generated import is absolute
-# ("from specsplit.v1 import ..."); rewrite it to live under shared._pb.
-$(PB_STAMP): $(PROTO_SRC) | $(STAMP)
-	mkdir -p $(PB_DIR)
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(PB_DIR) --pyi_out=$(PB_DIR) \
-		--grpc_python_out=$(PB_DIR) $(PROTO_SRC)
-	sed -i 's/^from specsplit\.v1 import/from shared._pb.specsplit.v1 import/' \
-		$(PB_DIR)/specsplit/v1/*_pb2_grpc.py
-	touch $@
+proto:
+	rm -f $(STAMP) && $(MAKE) setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -63,4 +54,4 @@ bench-quick: setup
 	$(PY) -m bench.run --quick
 
 clean:
-	rm -rf $(PB_DIR) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(STUBS) $(STAMP) .pytest_cache .ruff_cache .hypothesis build dist

@@ -21,9 +21,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cloud.process import CloudProcess
-from edge.client import GenerationConfig, SplitClient
-from shared.sampling import SamplingConfig
+from specsplit.cloud.process import CloudProcess
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.shared.sampling import SamplingConfig
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 console = Console(stderr=True)
@@ -112,8 +112,8 @@ def comparison(results: dict, greedy: bool) -> Table:
 
 
 async def demo(args, address: str, draft_dir: Path, edge_threads: int) -> None:
-    from edge.drafter import OnnxDrafter
-    from edge.text import TextCodec
+    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.text import TextCodec
 
     codec = TextCodec(draft_dir)
     prompt = codec.chat_prompt(args.prompt)
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
-    from edge.models import ensure_draft_onnx
-    from shared.sources import resolve_model
+    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.shared.sources import resolve_model
 
     t0 = time.monotonic()
     console.rule("[bold]models")

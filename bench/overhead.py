@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cloud.process import CloudProcess
-from edge.client import GenerationConfig, SplitClient
+from specsplit.cloud.process import CloudProcess
+from specsplit.edge.client import GenerationConfig, SplitClient
 
 ROUNDS_PER_RUN = 100
 
@@ -29,7 +29,7 @@ def _percentiles(values: np.ndarray) -> dict:
 
 
 async def _collect(address: str, draft_dir: Path, runs: int) -> dict[str, np.ndarray]:
-    from edge.drafter import OnnxDrafter
+    from specsplit.edge.drafter import OnnxDrafter
 
     drafter = OnnxDrafter(draft_dir, threads=1)
     cols = {"round": [], "verify": [], "server": [], "triton": []}
@@ -48,8 +48,8 @@ async def _collect(address: str, draft_dir: Path, runs: int) -> dict[str, np.nda
 
 
 def measure_overhead(edge_cores: set[int], cloud_cores: set[int], runs: int = 3) -> dict:
-    from edge.export import export_onnx
-    from shared.tiny import make_tiny_qwen2
+    from specsplit.edge.export import export_onnx
+    from specsplit.shared.tiny import make_tiny_qwen2
 
     with tempfile.TemporaryDirectory(prefix="specsplit-overhead-") as tmp:
         tmp = Path(tmp)

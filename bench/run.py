@@ -25,9 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.proxy import DelayProxy
-from cloud.process import CloudProcess
-from edge.client import GenerationConfig, SplitClient
-from shared.sampling import SamplingConfig
+from specsplit.cloud.process import CloudProcess
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.shared.sampling import SamplingConfig
 
 HERE = Path(__file__).parent
 console = Console(stderr=True)
@@ -151,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.overhead import measure_overhead
     from bench.report import write_report
-    from edge.drafter import OnnxDrafter
-    from edge.models import ensure_draft_onnx
-    from edge.text import TextCodec
-    from shared.sources import resolve_model
+    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.text import TextCodec
+    from specsplit.shared.sources import resolve_model
 
     name = "benchmarks-quick" if args.quick else "benchmarks"
     if args.target_dtype != "auto":

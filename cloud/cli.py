@@ -10,8 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
-from cloud.gateway import ModelIdentity, start_gateway
-from cloud.triton import TritonError, TritonServer
+from specsplit.cloud.gateway import ModelIdentity, start_gateway
+from specsplit.cloud.triton import TritonError, TritonServer
 
 log = logging.getLogger("specsplit.cloud")
 
@@ -21,7 +21,9 @@ def resolve_target(spec: str) -> Path:
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         return path
-    from shared.sources import resolve_model  # heavy (downloads/conversion): only when needed
+    from specsplit.shared.sources import (
+        resolve_model,  # heavy (downloads/conversion): only when needed
+    )
 
     return resolve_model(spec)
 

@@ -22,15 +22,23 @@ import grpc
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cloud.session import Code, Commit, Finish, ModelLimits, ProtocolError, Session, check_ids
-from cloud.triton_client import (
+from specsplit.cloud.session import (
+    Code,
+    Commit,
+    Finish,
+    ModelLimits,
+    ProtocolError,
+    Session,
+    check_ids,
+)
+from specsplit.cloud.triton_client import (
     SessionLost,
     TritonRequestError,
     TritonSession,
     TritonUnavailable,
 )
-from shared.acceptance import Mode, resolve_mode
-from shared.protocol import (
+from specsplit.shared.acceptance import Mode, resolve_mode
+from specsplit.shared.protocol import (
     MODE_TO_PB,
     PB_TO_MODE,
     PROTOCOL_VERSION,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from cloud.triton import stop_process_group
+from specsplit.cloud.triton import stop_process_group
 
 
 class CloudProcess:
@@ -44,7 +44,7 @@ class CloudProcess:
         self._stderr = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         cpus = self.cpus
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cloud.cli", *self.args],
+            [sys.executable, "-m", "specsplit.cloud.cli", *self.args],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,

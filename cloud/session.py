@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig
 
 
 class Code(enum.Enum):

@@ -19,9 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.acceptance import Mode, RoundResult, verify_greedy, verify_rejection, verify_token_only
-from shared.sampling import SamplingConfig, SparseDist, logits_to_probs
-from shared.seeding import round_rng
+from specsplit.shared.acceptance import (
+    Mode,
+    RoundResult,
+    verify_greedy,
+    verify_rejection,
+    verify_token_only,
+)
+from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs
+from specsplit.shared.seeding import round_rng
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +103,7 @@ class TargetModel:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
         self.model.eval()
         if self.device.type == "cpu" and dtype == torch.float32 and packed_linear:
-            from cloud.packed_linear import pack_linears
+            from specsplit.cloud.packed_linear import pack_linears
 
             log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         self.vocab_size = int(self.config.vocab_size)

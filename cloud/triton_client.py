@@ -18,8 +18,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig, SparseDist
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 MODEL_NAME = "target"
 _OUTPUTS = ("ACCEPTED", "TOKEN", "VERIFY_MS", "CACHE_LEN")

@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig
+from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig
 
 VERIFICATION = {"auto": None, "rejection": Mode.REJECTION, "token-only": Mode.TOKEN_ONLY}
 
@@ -40,7 +40,7 @@ def _config(args) -> GenerationConfig:
 
 def _codec(args):
     """The draft dir's tokenizer: required for --prompt text, else used when present."""
-    from edge.text import TextCodec
+    from specsplit.edge.text import TextCodec
 
     if args.prompt is not None:
         if not args.draft:
@@ -56,7 +56,7 @@ async def _generate(args) -> int:
     prompt = _prompt_ids(args, codec)
     drafter = None
     if args.mode != "cloud-only":
-        from edge.drafter import OnnxDrafter
+        from specsplit.edge.drafter import OnnxDrafter
 
         drafter = OnnxDrafter(Path(args.draft), threads=args.threads)
     server = None if args.mode == "edge-only" else args.server
@@ -84,7 +84,7 @@ async def _generate(args) -> int:
 
 
 def _export(args) -> int:
-    from edge.export import export_onnx
+    from specsplit.edge.export import export_onnx
 
     out = export_onnx(Path(args.model), Path(args.out), precision=args.precision, progress=True)
     print(out)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from edge.drafting import (
+from specsplit.edge.drafting import (
     DEFAULT_Q_ENTRIES,
     Block,
     Drafter,
@@ -30,10 +30,17 @@ from edge.drafting import (
     generate_edge_only,
     next_logits,
 )
-from shared.acceptance import Mode
-from shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, pb_grpc, sampling_params, sparse_to_pb
-from shared.sampling import SamplingConfig
-from shared.seeding import round_rng
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.protocol import (
+    MODE_TO_PB,
+    PROTOCOL_VERSION,
+    pb,
+    pb_grpc,
+    sampling_params,
+    sparse_to_pb,
+)
+from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.seeding import round_rng
 
 MODES = ("split", "cloud-only", "edge-only")
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, softmax
+from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, softmax
 
 DEFAULT_Q_ENTRIES = 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from shared.sources import cache_dir, resolve_model
+from specsplit.shared.sources import cache_dir, resolve_model
 
 METADATA = "specsplit_draft.json"
 
@@ -23,6 +23,8 @@ def ensure_draft_onnx(spec: str | Path, precision: str = "int8", progress: bool 
     out = cache_dir() / "onnx" / f"{hf_dir.name}-{key}-{precision}"
     if (out / METADATA).is_file():
         return out
-    from edge.export import export_onnx  # build step: needs onnx, not on the run-time path
+    from specsplit.edge.export import (
+        export_onnx,  # build step: needs onnx, not on the run-time path
+    )
 
     return export_onnx(hf_dir, out, precision=precision, progress=progress)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.sampling import SparseDist, sample
+from specsplit.shared.sampling import SparseDist, sample
 
 
 class Mode(enum.IntEnum):

@@ -1,13 +1,13 @@
 """GGUF -> Hugging Face safetensors directory (build step: torch and transformers).
 
-Split from ``shared.sources`` so that fetching and verifying stay importable without torch.
+Split from ``specsplit.shared.sources`` so that fetching and verifying import without torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from shared.sources import GgufChunkSource, SourceError
+from specsplit.shared.sources import GgufChunkSource, SourceError
 
 
 def _load_dequantised(gguf: Path, dtype: object) -> object:

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 import numpy as np
 
 try:
-    from shared._pb.specsplit.v1 import speculative_pb2 as pb
-    from shared._pb.specsplit.v1 import speculative_pb2_grpc as pb_grpc  # noqa: F401 (re-export)
+    from specsplit.v1 import speculative_pb2 as pb
+    from specsplit.v1 import speculative_pb2_grpc as pb_grpc  # noqa: F401 (re-export)
 except ImportError as e:  # pragma: no cover - only without a build
     raise ImportError("gRPC stubs not generated: run `make proto`") from e
 
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig, SparseDist
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_1
 SERVICE_NAME = "specsplit.v1.SpeculativeDecoding"

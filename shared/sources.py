@@ -19,7 +19,7 @@ Cache layout under ``cache_dir()`` (``$SPECSPLIT_CACHE``, default ``~/.cache/spe
     hf/<name>/                    converted model; complete only if it holds COMPLETE_MARKER
     locks/                        flock files, so concurrent processes build each thing once
 
-This module imports neither torch nor transformers at import time: the edge imports ``shared``.
+This module imports neither torch nor transformers at import time: the edge imports it.
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ def _hf_is_complete(path: Path, source: GgufChunkSource) -> bool:
 
 def _convert(source: GgufChunkSource, gguf: Path, out: Path) -> dict[str, object]:
     """Dequantise ``gguf`` into an HF directory at ``out``; returns facts worth recording."""
-    from shared.gguf_convert import convert  # torch + transformers: only when converting
+    from specsplit.shared.gguf_convert import convert  # torch + transformers: only when converting
 
     return convert(source, gguf, out, STORAGE_DTYPE)
 
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m shared.sources", description=__doc__.split("\n")[0]
+        prog="python -m specsplit.shared.sources", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="fetch, verify and convert default models")

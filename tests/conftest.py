@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud.process import CloudProcess
-from shared.tiny import make_tiny_qwen2
+from specsplit.cloud.process import CloudProcess
+from specsplit.shared.tiny import make_tiny_qwen2
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class TinyModels:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyModels:
-    from edge.export import export_onnx
+    from specsplit.edge.export import export_onnx
 
     root = tmp_path_factory.mktemp("tiny")
     target = make_tiny_qwen2(root / "target", seed=0)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from edge.client import GenerationConfig, SplitClient
-from edge.drafter import OnnxDrafter
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig, logits_to_probs
-from shared.tiny import reference_greedy
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig, logits_to_probs
+from specsplit.shared.tiny import reference_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import gc
 
 import pytest
 
-from cloud.process import CloudProcess
-from edge.client import GenerationConfig, SplitClient
-from shared.sources import DRAFT_DEFAULT, TARGET_DEFAULT
+from specsplit.cloud.process import CloudProcess
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.shared.sources import DRAFT_DEFAULT, TARGET_DEFAULT
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodels]
 
@@ -25,14 +25,14 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def pair():
-    from edge.models import ensure_draft_onnx
-    from shared.sources import resolve_model
+    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.shared.sources import resolve_model
 
     return resolve_model(TARGET_DEFAULT.name), ensure_draft_onnx(DRAFT_DEFAULT.name, "int8")
 
 
 def transformers_greedy(model_dir, prompt_ids, n):
-    from shared.tiny import reference_greedy
+    from specsplit.shared.tiny import reference_greedy
 
     try:
         return reference_greedy(model_dir, prompt_ids, n)
@@ -41,8 +41,8 @@ def transformers_greedy(model_dir, prompt_ids, n):
 
 
 def test_real_pair_split_equals_target(pair, tmp_path):
-    from edge.drafter import OnnxDrafter
-    from edge.text import TextCodec
+    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.text import TextCodec
 
     target_dir, draft_dir = pair
     prompt = TextCodec(draft_dir).chat_prompt(PROMPT)

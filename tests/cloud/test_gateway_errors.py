@@ -6,8 +6,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cloud.process import CloudProcess
-from shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
+from specsplit.cloud.process import CloudProcess
+from specsplit.shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
 
 pytestmark = pytest.mark.slow
 VOCAB = 256  # tests/tiny_models default
@@ -156,7 +156,7 @@ def test_health_service_reports_serving(cloud):
 
 
 def test_triton_down_gives_unavailable(tiny, tmp_path):
-    from cloud.triton import free_port
+    from specsplit.cloud.triton import free_port
 
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     with CloudProcess(

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from cloud.process import CloudProcess
+from specsplit.cloud.process import CloudProcess
 
 pytestmark = pytest.mark.slow
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from cloud.session import Code, Finish, ModelLimits, ProtocolError, Session
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig
+from specsplit.cloud.session import Code, Finish, ModelLimits, ProtocolError, Session
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig
 
 LIMITS = ModelLimits(vocab_size=100, max_context=64, max_draft_tokens=4, eos_token_ids=(99,))
 

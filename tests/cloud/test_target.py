@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cloud.target import SessionNotFound, SessionParams, TargetModel
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig, SparseDist
-from shared.tiny import make_tiny_qwen2, reference_greedy
+from specsplit.cloud.target import SessionNotFound, SessionParams, TargetModel
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig, SparseDist
+from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
 GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.tiny import reference_greedy
+from specsplit.shared.tiny import reference_greedy
 
 pytestmark = pytest.mark.slow
 EDGE = str(Path(sys.executable).parent / "specsplit-edge")  # the installed console script

@@ -12,9 +12,9 @@ import numpy as np
 import onnx
 import pytest
 
-from edge.drafter import OnnxDrafter
-from edge.export import export_onnx
-from shared.tiny import make_tiny_qwen2, reference_greedy
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.export import export_onnx
+from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
 CPU = ["CPUExecutionProvider"]
 PROMPT = [3, 17, 99, 5, 200, 41, 7, 128, 64]
@@ -192,7 +192,7 @@ def test_failed_export_keeps_previous_output(tmp_path, qwen_dirs):
 
 def test_drafter_does_not_import_torch():
     code = (
-        "import sys, edge.drafter; "
+        "import sys, specsplit.edge.drafter; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     root = Path(__file__).resolve().parents[2]

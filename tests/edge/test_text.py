@@ -5,7 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from edge.text import TextCodec
+from specsplit.edge.text import TextCodec
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from shared.acceptance import (
+from specsplit.shared.acceptance import (
     Mode,
     resolve_mode,
     verify_greedy,
     verify_rejection,
     verify_token_only,
 )
-from shared.sampling import SparseDist
+from specsplit.shared.sampling import SparseDist
 
 
 @pytest.mark.parametrize(

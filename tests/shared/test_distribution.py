@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from shared.acceptance import RoundResult, verify_rejection, verify_token_only
-from shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, truncate
+from specsplit.shared.acceptance import RoundResult, verify_rejection, verify_token_only
+from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, truncate
 
 V = 5
 N = 200_000

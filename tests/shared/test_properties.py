@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.acceptance import verify_greedy, verify_rejection, verify_token_only
-from shared.sampling import SamplingConfig, logits_to_probs, sample, truncate
+from specsplit.shared.acceptance import verify_greedy, verify_rejection, verify_token_only
+from specsplit.shared.sampling import SamplingConfig, logits_to_probs, sample, truncate
 
 
 @st.composite

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from shared.sampling import SamplingConfig, logits_to_probs, sample, truncate
+from specsplit.shared.sampling import SamplingConfig, logits_to_probs, sample, truncate
 
 
 def test_greedy_is_one_hot_argmax():

@@ -1,4 +1,4 @@
-"""Triton Python backend shell over cloud.target.TargetModel: gather -> compute -> scatter.
+"""Triton Python backend shell over specsplit.cloud.target: gather -> compute -> scatter.
 
 Every failure is answered in the failing request's own response; the stub never dies for a bad
 request.
@@ -12,9 +12,9 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cloud.target import SessionNotFound, SessionParams, TargetModel
-from shared.acceptance import Mode
-from shared.sampling import SamplingConfig, SparseDist
+from specsplit.cloud.target import SessionNotFound, SessionParams, TargetModel
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 log = logging.getLogger("specsplit.target")
 
