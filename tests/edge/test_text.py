@@ -63,3 +63,37 @@ def test_stream_holds_back_split_characters(model_dir):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="--prompt-ids"):
         TextCodec(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # reach object's subclasses
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",  # reach a module's globals
+        "{% set xs = [] %}{{ xs.append(1) }}",  # mutate a value (immutable sandbox)
+    ],
+)
+def test_chat_template_cannot_reach_python_internals(model_dir, template):
+    (model_dir / "chat_template.jinja").write_text(template)
+    with pytest.raises(ValueError, match="unsafe operation"):
+        TextCodec(model_dir).chat_prompt("hi")
+
+
+def test_chat_template_can_reject_input_with_raise_exception(model_dir):
+    template = (
+        "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+    )
+    (model_dir / "chat_template.jinja").write_text(template)
+    with pytest.raises(ValueError, match="chat template failed: system first"):
+        TextCodec(model_dir).chat_prompt("hi")
+    assert TextCodec(model_dir).chat_prompt("hi", system="be brief") == []
+
+
+def test_chat_template_has_loop_controls_and_tojson(model_dir):
+    template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{{ m.content | tojson }}{% endfor %}"
+    )
+    (model_dir / "chat_template.jinja").write_text(template)
+    codec = TextCodec(model_dir)
+    assert codec.chat_prompt("<é>", system="skipped") == codec.encode('"<é>"')
