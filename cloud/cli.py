@@ -1,4 +1,4 @@
-"""specsplit-cloud: serve the target model (Triton + gateway)."""
+"""specsplit-cloud: serve the target model (Triton + gateway); pull it ahead of time."""
 
 from __future__ import annotations
 
@@ -8,24 +8,13 @@ import contextlib
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
 from specsplit.cloud.triton import TritonError, TritonServer
+from specsplit.shared.sources import TARGET_DEFAULT, SourceError, resolve_model
 
 log = logging.getLogger("specsplit.cloud")
-
-
-def resolve_target(spec: str) -> Path:
-    """A local Hugging Face directory, or a known default model name (fetched and cached)."""
-    path = Path(spec).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    from specsplit.shared.sources import (
-        resolve_model,  # heavy (downloads/conversion): only when needed
-    )
-
-    return resolve_model(spec)
+DEFAULT_TARGET = TARGET_DEFAULT.name
 
 
 async def _start_triton(triton: TritonServer, stop: asyncio.Event) -> bool:
@@ -44,7 +33,7 @@ async def _start_triton(triton: TritonServer, stop: asyncio.Event) -> bool:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    target = resolve_target(args.target)
+    target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -80,11 +69,15 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specsplit-cloud", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    target_help = (
+        "Hugging Face model dir or a default model name "
+        f"(default: {DEFAULT_TARGET}, fetched and converted on first use, cached)"
+    )
     s = sub.add_parser("serve", help="start Triton with the target model and the gRPC gateway")
-    s.add_argument("--target", required=True, help="Hugging Face model dir or a default name")
+    s.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
     s.add_argument("--triton-url", help="use a running Triton (host:port) instead of starting one")
@@ -101,14 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for Triton"
     )
     s.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
+    p = sub.add_parser("pull", help="fetch and convert the target ahead of time (with progress)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if args.command == "pull":
+            print(resolve_model(args.target))
+            return 0
         return asyncio.run(serve(args))
-    except (TritonError, OSError, ValueError) as e:
+    except (TritonError, SourceError, OSError, ValueError, ImportError) as e:
         print(f"specsplit-cloud: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

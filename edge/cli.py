@@ -1,4 +1,4 @@
-"""specsplit-edge: export a draft model to ONNX, and generate with it against a cloud."""
+"""specsplit-edge: generate with a draft model against a cloud; pull or export the draft."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ import sys
 from pathlib import Path
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, ensure_draft_onnx
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 
 VERIFICATION = {"auto": None, "rejection": Mode.REJECTION, "token-only": Mode.TOKEN_ONLY}
 
 
-def _prompt_ids(args, codec) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise SystemExit("--prompt-ids must be comma-separated integers") from None
-    return codec.chat_prompt(args.prompt) if args.chat else codec.encode(args.prompt)
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit("--prompt-ids must be comma-separated integers") from None
+
+
+def _text_prompt(args, codec) -> list[int]:
+    # Instruct models expect their chat template; on by default when the tokenizer has one.
+    chat = codec.chat_template is not None if args.chat is None else args.chat
+    return codec.chat_prompt(args.prompt) if chat else codec.encode(args.prompt)
 
 
 def _config(args) -> GenerationConfig:
@@ -38,30 +43,41 @@ def _config(args) -> GenerationConfig:
     )
 
 
-def _codec(args):
-    """The draft dir's tokenizer: required for --prompt text, else used when present."""
+def _draft_dir(args) -> Path | None:
+    """The ONNX draft: needed to draft, and for its tokenizer when the prompt is text.
+
+    Cloud-only with token ids and no --draft needs none (ids in, ids out).
+    """
+    if args.mode == "cloud-only" and args.prompt is None and not args.draft:
+        return None
+    return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
+
+
+def _codec(args, draft_dir: Path | None):
+    """The draft's tokenizer: required for --prompt text, else used when present."""
     from specsplit.edge.text import TextCodec
 
+    if draft_dir is not None and (draft_dir / "tokenizer.json").is_file():
+        return TextCodec(draft_dir)
     if args.prompt is not None:
-        if not args.draft:
-            raise ValueError("--prompt needs a tokenizer: pass --draft DIR, or use --prompt-ids")
-        return TextCodec(args.draft)
-    if args.draft and (Path(args.draft) / "tokenizer.json").is_file():
-        return TextCodec(args.draft)
+        raise ValueError(f"--prompt needs a tokenizer, and {draft_dir} has none: use --prompt-ids")
     return None  # token ids in, token ids out
 
 
 async def _generate(args) -> int:
-    codec = _codec(args)
-    prompt = _prompt_ids(args, codec)
+    config = _config(args)  # bad arguments fail before any model is fetched or loaded
+    ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    draft_dir = _draft_dir(args)
+    codec = _codec(args, draft_dir)
+    prompt = ids if ids is not None else _text_prompt(args, codec)
     drafter = None
     if args.mode != "cloud-only":
         from specsplit.edge.drafter import OnnxDrafter
 
-        drafter = OnnxDrafter(Path(args.draft), threads=args.threads)
+        drafter = OnnxDrafter(draft_dir, threads=args.threads)
     server = None if args.mode == "edge-only" else args.server
     async with SplitClient(server, drafter) as client:
-        gen = client.generate(prompt, _config(args), mode=args.mode)
+        gen = client.generate(prompt, config, mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
         async for chunk in gen:
             if args.json:
@@ -83,6 +99,11 @@ async def _generate(args) -> int:
     return 0
 
 
+def _pull(args) -> int:
+    print(ensure_draft_onnx(args.draft, args.precision, progress=True))
+    return 0
+
+
 def _export(args) -> int:
     from specsplit.edge.export import export_onnx
 
@@ -91,20 +112,34 @@ def _export(args) -> int:
     return 0
 
 
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft",
+        help="ONNX export dir, Hugging Face model dir (exported on first use), or a default "
+        f"model name (default: {DEFAULT_DRAFT}, fetched and exported once, cached)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "int8"),
+        default=DEFAULT_PRECISION,
+        help="precision when the draft has to be exported",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="Hugging Face causal LM -> ONNX draft with a KV cache")
-    e.add_argument("--model", required=True, help="Hugging Face model directory")
-    e.add_argument("--out", required=True, help="output directory")
-    e.add_argument("--precision", choices=("fp32", "int8"), default="fp32")
     g = sub.add_parser("generate", help="generate text (split, cloud-only or edge-only)")
     g.add_argument("--server", default="127.0.0.1:50051", help="gateway HOST:PORT")
-    g.add_argument("--draft", help="exported ONNX draft directory (not needed for cloud-only)")
+    _add_draft_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenised with the draft's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
-    g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        help="wrap --prompt in the model's chat template (default: on when the model has one)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -115,23 +150,27 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=MODES, default="split")
     g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p = sub.add_parser("pull", help="fetch and export the draft ahead of time (with progress)")
+    _add_draft_args(p)
+    p.set_defaults(draft=DEFAULT_DRAFT)
+    e = sub.add_parser("export", help="Hugging Face causal LM -> ONNX draft with a KV cache")
+    e.add_argument("--model", required=True, help="Hugging Face model directory")
+    e.add_argument("--out", required=True, help="output directory")
+    e.add_argument("--precision", choices=("fp32", "int8"), default="fp32")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "export":
-        return _export(args)
-    if args.mode != "cloud-only" and not args.draft:
-        raise SystemExit(f"specsplit-edge: --draft is required in {args.mode} mode")
-    if args.max_new_tokens < 1 or args.draft_tokens < 0:
-        raise SystemExit("specsplit-edge: --max-new-tokens must be >= 1, --draft-tokens >= 0")
     try:
+        if args.command == "export":
+            return _export(args)
+        if args.command == "pull":
+            return _pull(args)
+        if args.max_new_tokens < 1 or args.draft_tokens < 0:
+            raise SystemExit("specsplit-edge: --max-new-tokens must be >= 1, --draft-tokens >= 0")
         return asyncio.run(_generate(args))
-    except SpecsplitError as e:
-        print(f"specsplit-edge: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as e:
+    except (SpecsplitError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"specsplit-edge: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

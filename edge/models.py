@@ -1,30 +1,58 @@
-"""The draft as the edge runs it: an ONNX export, made once and cached beside the HF weights."""
+"""The draft as the edge runs it: an ONNX export, made once and cached.
+
+``ensure_draft_onnx`` takes an export directory (used as is), a local Hugging Face directory, or a
+default model name (fetched and converted first). Exporting is a build step that needs the
+``export`` extra (onnx; torch, transformers and gguf to convert weights); running an export needs
+only the ``edge`` extra. So an edge that pulled its draft ahead of time, or was given an export
+directory, never needs the build-step packages.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-from specsplit.shared.sources import cache_dir, resolve_model
+from specsplit.shared.sources import (
+    DRAFT_DEFAULT,
+    SOURCES,
+    cache_dir,
+    hf_dir_path,
+    require_extra,
+    resolve_model,
+    spinner,
+)
 
 METADATA = "specsplit_draft.json"
+DEFAULT_DRAFT = DRAFT_DEFAULT.name
+# int8 (MatMulNBits) is ~2.7x faster than fp32 on a CPU and picks fp32's top token at 98-100%
+# of positions (docs/benchmarks.md).
+DEFAULT_PRECISION = "int8"
 
 
-def ensure_draft_onnx(spec: str | Path, precision: str = "int8", progress: bool = True) -> Path:
-    """ONNX draft dir for a default model name or a local HF dir; exported on first use.
+def export_dir(hf_dir: Path, precision: str) -> Path:
+    """Where the export of ``hf_dir`` at ``precision`` is cached (it may not be there yet)."""
+    key = hashlib.sha1(str(hf_dir.resolve()).encode()).hexdigest()[:8]
+    return cache_dir() / "onnx" / f"{hf_dir.name}-{key}-{precision}"
 
-    An existing export dir (holding specsplit_draft.json) is returned as is.
-    """
+
+def ensure_draft_onnx(
+    spec: str | Path = DEFAULT_DRAFT, precision: str = DEFAULT_PRECISION, progress: bool = True
+) -> Path:
+    """ONNX draft dir for an export dir, a local HF dir or a default name; exported on first use."""
     path = Path(spec).expanduser()
     if (path / METADATA).is_file():
         return path
-    hf_dir = resolve_model(spec)
-    key = hashlib.sha1(str(hf_dir.resolve()).encode()).hexdigest()[:8]
-    out = cache_dir() / "onnx" / f"{hf_dir.name}-{key}-{precision}"
+    # A default name's export is found without converting (the HF dir may not exist); any other
+    # spec must be a local HF dir (or resolve_model says clearly what is wrong).
+    source = SOURCES.get(str(spec))
+    hf_dir = hf_dir_path(source) if source else resolve_model(spec)
+    out = export_dir(hf_dir, precision)
     if (out / METADATA).is_file():
         return out
-    from specsplit.edge.export import (
-        export_onnx,  # build step: needs onnx, not on the run-time path
-    )
+    require_extra("export", "onnx", *(("rich",) if progress else ()))
+    hf_dir = resolve_model(spec)  # fetches and converts a default model on first use
+    from specsplit.edge.export import export_onnx  # build step: not on the run-time path
 
-    return export_onnx(hf_dir, out, precision=precision, progress=progress)
+    with spinner(progress) as bar:
+        bar.add_task(f"export {hf_dir.name} to ONNX ({precision})", total=None)
+        return export_onnx(hf_dir, out, precision=precision, progress=progress)

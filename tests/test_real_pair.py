@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +22,7 @@ from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sources import DRAFT_DEFAULT, TARGET_DEFAULT
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodels]
+EDGE = str(Path(sys.executable).parent / "specsplit-edge")
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 N_NEW = 24
@@ -57,8 +62,20 @@ def test_real_pair_split_equals_target(pair, tmp_path):
             await cloud_only.collect()
         return split, cloud_only
 
-    with CloudProcess("--target", str(target_dir), log_dir=tmp_path) as cloud:
+    # Both CLIs with their defaults, as a user runs them: `specsplit-cloud serve` serves the
+    # default target, `specsplit-edge generate --prompt` drafts with the default draft and wraps
+    # the prompt in the chat template.
+    with CloudProcess(log_dir=tmp_path) as cloud:
         split, cloud_only = asyncio.run(both(cloud.address))
+        edge_cli = subprocess.run(
+            [EDGE, "generate", "--server", cloud.address, "--prompt", PROMPT, "--json"]
+            + ["--max-new-tokens", str(N_NEW)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert edge_cli.returncode == 0, edge_cli.stderr
+    assert json.loads(edge_cli.stdout)["token_ids"] == reference
     assert split.token_ids == cloud_only.token_ids == reference
     # The pair agrees ~95% greedily on code: a low rate means a broken draft or verifier.
     assert split.stats.acceptance_rate > 0.5, split.stats.summary()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,8 +66,8 @@ def test_export_writes_a_loadable_draft(tiny, tmp_path):
 
 
 def test_bad_arguments_give_clear_errors(cloud, tiny):
-    r = edge("generate", "--server", cloud.address, "--prompt-ids", "1,2", "--mode", "split")
-    assert r.returncode != 0 and "--draft is required" in r.stderr
+    r = edge("generate", "--draft", "no-such-model", "--prompt-ids", "1,2")
+    assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr
     r = edge(
         "generate",
         "--server",
@@ -88,3 +90,21 @@ def test_bad_arguments_give_clear_errors(cloud, tiny):
     assert r.returncode == 2 and "outside the draft's vocabulary" in r.stderr
     r = edge("generate", "--mode", "cloud-only", "--prompt-ids", "1,x")
     assert r.returncode != 0 and "comma-separated integers" in r.stderr
+
+
+def test_generate_without_draft_uses_the_cached_default_draft(tiny, tmp_path, monkeypatch):
+    """No --draft: the default draft's cached export, found without converting anything."""
+    from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, export_dir
+    from specsplit.shared.sources import SOURCES, hf_dir_path
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    default = export_dir(hf_dir_path(SOURCES[DEFAULT_DRAFT]), DEFAULT_PRECISION)
+    shutil.copytree(tiny.draft_onnx, default)
+    args = ("generate", "--mode", "edge-only", "--prompt-ids", "1,2,3", "--max-new-tokens", "6")
+    r = subprocess.run(
+        [EDGE, *args, "--json"], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == reference_greedy(tiny.draft, [1, 2, 3], 6)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "wheels").exists()
