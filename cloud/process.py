@@ -29,8 +29,10 @@ class CloudProcess:
         log_dir: Path,
         timeout_s: float = 300.0,
         cpus: Iterable[int] | None = None,
+        python: str = sys.executable,  # another environment's interpreter (packaging tests)
     ):
         self.args = ["serve", "--port", "0", *args]
+        self.python = python
         self.log_path = Path(log_dir) / "cloud.stderr.log"
         self.timeout_s = timeout_s
         self.cpus = set(cpus) if cpus is not None else None
@@ -44,7 +46,7 @@ class CloudProcess:
         self._stderr = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         cpus = self.cpus
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specsplit.cloud.cli", *self.args],
+            [self.python, "-m", "specsplit.cloud.cli", *self.args],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
