@@ -1,7 +1,7 @@
 """Protocol helpers: the generated stubs, and conversions between proto messages and our types.
 
 Proto types stay at the boundary; inside Python we use the frozen dataclasses of ``shared``.
-The stubs are generated at build time (``make proto``) into ``shared/_pb``.
+The stubs ``specsplit.v1`` are generated at build time by the hook in ``setup.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ try:
     from specsplit.v1 import speculative_pb2 as pb
     from specsplit.v1 import speculative_pb2_grpc as pb_grpc  # noqa: F401 (re-export)
 except ImportError as e:  # pragma: no cover - only without a build
-    raise ImportError("gRPC stubs not generated: run `make proto`") from e
+    raise ImportError(
+        "gRPC stubs not generated: install the package (pip install .), or run `make proto`"
+    ) from e
 
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
