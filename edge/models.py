@@ -12,15 +12,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from specsplit.shared.sources import (
-    DRAFT_DEFAULT,
-    SOURCES,
-    cache_dir,
-    hf_dir_path,
-    require_extra,
-    resolve_model,
-    spinner,
-)
+from specsplit.shared.sources import DRAFT_DEFAULT, SOURCES, hf_dir_path, resolve_model
+from specsplit.shared.steps import cache_dir, require_extra, spinner
 
 METADATA = "specsplit_draft.json"
 DEFAULT_DRAFT = DRAFT_DEFAULT.name

