@@ -38,8 +38,10 @@ def generate_stubs(out_dir: Path) -> None:
 
 class BuildPyWithStubs(build_py):
     def run(self) -> None:
+        super().run()  # a no-op in editable mode
+        # After the copy, so stubs left in the checkout by an editable install never replace the
+        # ones generated now from the current .proto.
         generate_stubs(PROTO_ROOT if self.editable_mode else Path(self.build_lib))
-        super().run()
 
 
 setup(cmdclass={"build_py": BuildPyWithStubs})
