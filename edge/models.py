@@ -12,7 +12,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from specsplit.shared.sources import DRAFT_DEFAULT, SOURCES, hf_dir_path, resolve_model
+from specsplit.shared.sources import (
+    DRAFT_DEFAULT,
+    SOURCES,
+    ensure_hf_dir,
+    hf_dir_path,
+    resolve_model,
+)
 from specsplit.shared.steps import cache_dir, require_extra, spinner
 
 METADATA = "specsplit_draft.json"
@@ -43,7 +49,8 @@ def ensure_draft_onnx(
     if (out / METADATA).is_file():
         return out
     require_extra("export", "onnx", *(("rich",) if progress else ()))
-    hf_dir = resolve_model(spec)  # fetches and converts a default model on first use
+    if source:
+        hf_dir = ensure_hf_dir(source, progress)  # fetched and converted on first use
     from specsplit.edge.export import export_onnx  # build step: not on the run-time path
 
     with spinner(progress) as bar:
