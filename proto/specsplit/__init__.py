@@ -30,7 +30,6 @@ _PUBLIC = {
     "TextCodec": "specsplit.edge.text",
 }
 __all__ = ["GenerationConfig", "OnnxDrafter", "SpecsplitError", "SplitClient", "TextCodec"]
-assert sorted(__all__) == sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
@@ -47,4 +46,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+    return sorted({*globals(), *__all__})
