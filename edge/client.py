@@ -58,6 +58,10 @@ class GenerationConfig:
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0
     draft_tokens: int = 4  # k
+    # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
+    # compute-bound). False keeps k fixed: seeded sampled runs then repeat exactly whatever the
+    # cloud's load (the output's distribution is the target's either way).
+    follow_hint: bool = True
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
@@ -87,6 +91,9 @@ class GenerationStats:
     verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
     server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
     queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
+    block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
+    batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
+    batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
     token_times_s: list[float] = field(default_factory=list)  # commit time of each token
 
     @property
@@ -303,10 +310,11 @@ class _Session:
         mode = started.verification
         remaining = started.max_new_tokens
         round_no = 0
+        hint = k_max  # the cloud's largest wanted block, updated by every verdict
         while True:
             round_no += 1
             # A round emits up to k + 1 tokens: never draft past the length limit.
-            k = max(0, min(k_max, remaining - 1))
+            k = max(0, min(k_max, hint, remaining - 1))
             base_len = len(self.committed)
             if first is not None:  # drafted early (prefill, or the previous verdict in flight)
                 (block, draft_ms), first = first, None
@@ -318,7 +326,7 @@ class _Session:
             if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
                 draft.q.extend(sparse_to_pb(q) for q in block.q)
             await self._send(pb.ClientMessage(draft=draft))
-            k_next = max(0, min(k_max, remaining - (k + 1) - 1))
+            k_next = max(0, min(k_max, hint, remaining - (k + 1) - 1))
             ahead = None
             if cfg.draft_ahead and k > 0 and k_next > 0:
                 seq = [*self.committed, *block.tokens]
@@ -344,6 +352,11 @@ class _Session:
             stats.verify_ms.append(v.timings.verify_ms)
             stats.server_ms.append(v.timings.server_ms)
             stats.queue_ms.append(v.timings.queue_ms)
+            stats.batch_sessions.append(v.timings.batch_sessions)
+            stats.batch_rows.append(v.timings.batch_rows)
+            if cfg.follow_hint and v.HasField("max_draft_tokens_hint"):
+                hint = v.max_draft_tokens_hint
+                stats.block_hint.append(hint)
             yield chunk
             if v.finished:
                 return
@@ -356,6 +369,8 @@ class _Session:
             self.stats.rounds += 1
             self.stats.round_ms.append((now - t_prev) * 1e3)
             self.stats.verify_ms.append(v.timings.verify_ms)
+            self.stats.batch_sessions.append(v.timings.batch_sessions)
+            self.stats.batch_rows.append(v.timings.batch_rows)
             t_prev = now
             chunk = [v.token] if v.has_token else []
             self.committed += chunk

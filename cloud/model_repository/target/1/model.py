@@ -1,5 +1,8 @@
 """Triton Python backend shell over specsplit.cloud.target: gather -> compute -> scatter.
 
+Every request of one ``execute()`` goes into one ``TargetModel.run``: one forward pass for all
+verification blocks and cloud-only steps of all sessions in it.
+
 Every failure is answered in the failing request's own response; the stub never dies for a bad
 request.
 """
@@ -7,12 +10,19 @@ request.
 import json
 import logging
 import os
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specsplit.cloud.target import SessionNotFound, SessionParams, TargetModel
+from specsplit.cloud.target import (
+    Close,
+    Open,
+    Request,
+    SessionNotFound,
+    SessionParams,
+    TargetModel,
+    Verify,
+)
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
@@ -33,16 +43,30 @@ def _array(request, name: str):
     return None if t is None else t.as_numpy()
 
 
-def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int):
+def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int, info):
+    def out(name, value, dtype):
+        return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))
+
     return pb_utils.InferenceResponse(
         output_tensors=[
-            pb_utils.Tensor("ACCEPTED", np.array([[accepted]], dtype=np.int32)),
-            pb_utils.Tensor("TOKEN", np.array([[token]], dtype=np.int64)),
-            pb_utils.Tensor("VERIFY_MS", np.array([[verify_ms]], dtype=np.float32)),
-            pb_utils.Tensor("CACHE_LEN", np.array([[cache_len]], dtype=np.int64)),
-            pb_utils.Tensor("SESSIONS", np.array([[sessions]], dtype=np.int64)),
+            out("ACCEPTED", accepted, np.int32),
+            out("TOKEN", token, np.int64),
+            out("VERIFY_MS", verify_ms, np.float32),
+            out("CACHE_LEN", cache_len, np.int64),
+            out("SESSIONS", sessions, np.int64),
+            out("BATCH_ROWS", info.rows, np.int32),
+            out("BATCH_SESSIONS", info.sessions, np.int32),
+            out("BLOCK_HINT", info.block_hint, np.int32),
         ]
     )
+
+
+def _error(e: Exception):
+    if isinstance(e, SessionNotFound):
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError(f"SESSION_NOT_FOUND: {e.args[0]}")
+        )
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
 
 
 def _sparse_q(request) -> list | None:
@@ -53,6 +77,29 @@ def _sparse_q(request) -> list | None:
     return [
         SparseDist(i[i >= 0], p[i >= 0].astype(np.float64)) for i, p in zip(ids, probs, strict=True)
     ]
+
+
+def _parse(request) -> Request:
+    sid = int(_scalar(request, "CORRID"))
+    tokens = _array(request, "TOKENS").reshape(-1).tolist()
+    if _scalar(request, "START", 0):
+        sampling = SamplingConfig(
+            temperature=float(_scalar(request, "TEMPERATURE", 0.0)),
+            top_k=int(_scalar(request, "TOP_K", 0)),
+            top_p=float(_scalar(request, "TOP_P", 1.0)),
+        )
+        params = SessionParams(
+            sampling,
+            Mode(int(_scalar(request, "MODE", int(Mode.GREEDY)))),
+            seed=int(_scalar(request, "SEED", 0)),
+            speculative=bool(_scalar(request, "SPECULATIVE", 1)),
+        )
+        return Open(sid, tokens, params)
+    end = bool(_scalar(request, "END", 0))
+    if end and not tokens:
+        return Close(sid)
+    base_len = int(_scalar(request, "BASE_LEN", -1))
+    return Verify(sid, base_len, tokens, _sparse_q(request), end=end)
 
 
 class TritonPythonModel:
@@ -78,52 +125,36 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(e)) from e
 
     def execute(self, requests):
+        # gather -> one batched run (one forward pass for every verification) -> scatter
         self.target.evict_idle(self.idle_s)
-        responses = []
+        parsed = []
         for request in requests:
             try:
-                responses.append(self._one(request))
-            except SessionNotFound as e:
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"SESSION_NOT_FOUND: {e.args[0]}")
-                    )
-                )
+                parsed.append(_parse(request))
             except Exception as e:  # one bad request never takes the model down
-                log.warning("request failed: %s", e)
+                log.warning("bad request: %s", e)
+                parsed.append(e)
+        batch = [r for r in parsed if not isinstance(r, Exception)]
+        outcomes, info = self.target.run(batch)
+        results = iter(outcomes)
+        sessions = len(self.target.sessions)
+        responses = []
+        for request in parsed:
+            outcome = request if isinstance(request, Exception) else next(results)
+            if isinstance(outcome, Exception):
+                responses.append(_error(outcome))
+            elif isinstance(request, Open):
+                cache_len = len(request.prompt) - 1
+                responses.append(_response(0, -1, info.ms, cache_len, sessions, info))
+            elif isinstance(request, Close):
+                responses.append(_response(0, -1, 0.0, 0, sessions, info))
+            else:
+                r = outcome.result
+                cache_len = request.base_len + r.accepted
                 responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"{type(e).__name__}: {e}")
-                    )
+                    _response(r.accepted, r.token, outcome.verify_ms, cache_len, sessions, info)
                 )
         return responses
-
-    def _one(self, request):
-        sid = int(_scalar(request, "CORRID"))
-        tokens = _array(request, "TOKENS").reshape(-1).tolist()
-        if _scalar(request, "START", 0):
-            t0 = time.perf_counter()
-            sampling = SamplingConfig(
-                temperature=float(_scalar(request, "TEMPERATURE", 0.0)),
-                top_k=int(_scalar(request, "TOP_K", 0)),
-                top_p=float(_scalar(request, "TOP_P", 1.0)),
-            )
-            mode = Mode(int(_scalar(request, "MODE", int(Mode.GREEDY))))
-            params = SessionParams(sampling, mode, seed=int(_scalar(request, "SEED", 0)))
-            self.target.start(sid, tokens, params)
-            ms = (time.perf_counter() - t0) * 1e3
-            return _response(0, -1, ms, len(tokens) - 1, len(self.target.sessions))
-        if _scalar(request, "END", 0) and not tokens:
-            self.target.end(sid)
-            return _response(0, -1, 0.0, 0, len(self.target.sessions))
-        t0 = time.perf_counter()
-        base_len = int(_scalar(request, "BASE_LEN", -1))
-        result = self.target.verify(sid, base_len, tokens, _sparse_q(request))
-        ms = (time.perf_counter() - t0) * 1e3
-        if _scalar(request, "END", 0):
-            self.target.end(sid)
-        sessions = len(self.target.sessions)
-        return _response(result.accepted, result.token, ms, base_len + result.accepted, sessions)
 
     def finalize(self):
         self.target.sessions.clear()
