@@ -17,6 +17,7 @@ other rows (prefills, cloud-only steps) fixed. Edges draft min(their own k, the 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 from collections import deque
@@ -52,7 +53,7 @@ class CostModel:
         if not self.ms:
             return 0.0
         xs = sorted(self.ms)
-        ys = [self.ms[x] for x in xs]
+        ys = list(itertools.accumulate((self.ms[x] for x in xs), max))  # more rows never cost less
         if len(xs) == 1 or rows <= xs[0]:
             return ys[0] if rows <= xs[0] else ys[0] * rows / xs[0]
         i = min(bisect.bisect_left(xs, rows), len(xs) - 1)
@@ -60,11 +61,17 @@ class CostModel:
         slope = max((y1 - y0) / (x1 - x0), 0.0)  # extrapolates past the last bucket too
         return y0 + slope * (rows - x0)
 
-    def calibrate(self, run: Callable[[int], float], rows: tuple[int, ...] = CALIBRATION_ROWS):
-        """Times ``run(rows)`` (which returns ms) for a few sizes, after one warm-up."""
+    def calibrate(
+        self,
+        run: Callable[[int], float],
+        rows: tuple[int, ...] = CALIBRATION_ROWS,
+        repeats: int = 3,
+    ):
+        """Times ``run(rows)`` (which returns ms) a few times per size, after one warm-up."""
         run(1)
-        for n in rows:
-            self.observe(n, run(n))
+        for _ in range(repeats):
+            for n in rows:
+                self.observe(n, run(n))
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -20,15 +20,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import grpc
-import numpy as np
 
 from specsplit.edge.drafting import (
     DEFAULT_Q_ENTRIES,
     Block,
     Drafter,
-    draft_block,
     generate_edge_only,
-    next_logits,
+    propose,
+    top_token,
 )
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.protocol import (
@@ -286,13 +285,13 @@ class _Session:
         seq = self.committed if prefix is None else prefix
         rng = round_rng(cfg.seed, "draft", len(seq))
         t0 = time.perf_counter()
-        block = draft_block(self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
+        block = propose(self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3
 
     def _draft_ahead(self, seq: list[int], k: int) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
         the bonus as the draft's top token and drafts the block after it."""
-        guess = int(np.argmax(next_logits(self.drafter, seq)))
+        guess = top_token(self.drafter, seq)
         return guess, self._draft(k, [*seq, guess])[0]
 
     async def _verdict(self, ahead) -> pb.Verdict:
