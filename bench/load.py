@@ -28,6 +28,7 @@ from rich.console import Console
 
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.replay import LoggingDrafter, ReplayDrafter
+from bench.report import cpu_model
 from specsplit.cloud.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "cloud_cores": sorted(cloud_cores),
         "plan": asdict(plan),
         "k": K,
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
     }
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="specsplit-load-") as logs:
@@ -256,16 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     report = write_load_report(raw, meta_path, args.out, name)
     console.print(f"report: {report}")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Triton Python backend shell over specsplit.cloud.target: gather -> compute -> scatter.
 
-Every request of one ``execute()`` goes into one ``TargetModel.run``: one forward pass for all
-verification blocks and cloud-only steps of all sessions in it.
+Requests go to ``cloud.engine.BatchEngine``, which serves all that are waiting with one
+``TargetModel.run`` (one forward pass for every verification block and cloud-only step) and
+answers each through its response sender.
 
 Every failure is answered in the failing request's own response; the stub never dies for a bad
 request.
@@ -14,9 +15,11 @@ import os
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from specsplit.cloud.engine import BatchEngine
 from specsplit.cloud.target import (
     Close,
     Open,
+    PassInfo,
     Request,
     SessionNotFound,
     SessionParams,
@@ -59,6 +62,10 @@ def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessi
             out("BLOCK_HINT", info.block_hint, np.int32),
         ]
     )
+
+
+def _send(sender, response) -> None:
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _error(e: Exception):
@@ -123,38 +130,44 @@ class TritonPythonModel:
             )
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from e
+        self.engine = BatchEngine(self.target, idle_s=self.idle_s)
 
     def execute(self, requests):
-        # gather -> one batched run (one forward pass for every verification) -> scatter
-        self.target.evict_idle(self.idle_s)
-        parsed = []
+        # gather -> the engine thread batches across execute() calls -> each request's response
+        # sender answers it (cloud.engine explains why Triton's own batches are not enough)
+        items = []
         for request in requests:
+            sender = request.get_response_sender()
             try:
-                parsed.append(_parse(request))
+                parsed = _parse(request)
             except Exception as e:  # one bad request never takes the model down
                 log.warning("bad request: %s", e)
-                parsed.append(e)
-        batch = [r for r in parsed if not isinstance(r, Exception)]
-        outcomes, info = self.target.run(batch)
-        results = iter(outcomes)
-        sessions = len(self.target.sessions)
-        responses = []
-        for request in parsed:
-            outcome = request if isinstance(request, Exception) else next(results)
+                _send(sender, _error(e))
+                continue
+            items.append((parsed, self._responder(parsed, sender)))
+        self.engine.submit(items)
+        return None
+
+    def _responder(self, request, sender):
+        def respond(outcome, info):
+            sessions = len(self.target.sessions)
             if isinstance(outcome, Exception):
-                responses.append(_error(outcome))
+                _send(sender, _error(outcome))
             elif isinstance(request, Open):
                 cache_len = len(request.prompt) - 1
-                responses.append(_response(0, -1, info.ms, cache_len, sessions, info))
+                _send(sender, _response(0, -1, info.ms, cache_len, sessions, info))
             elif isinstance(request, Close):
-                responses.append(_response(0, -1, 0.0, 0, sessions, info))
+                _send(sender, _response(0, -1, 0.0, 0, sessions, info or PassInfo()))
             else:
                 r = outcome.result
                 cache_len = request.base_len + r.accepted
-                responses.append(
-                    _response(r.accepted, r.token, outcome.verify_ms, cache_len, sessions, info)
+                _send(
+                    sender,
+                    _response(r.accepted, r.token, outcome.verify_ms, cache_len, sessions, info),
                 )
-        return responses
+
+        return respond
 
     def finalize(self):
+        self.engine.stop()
         self.target.sessions.clear()
