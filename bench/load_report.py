@@ -1,8 +1,8 @@
 """docs/load.md and docs/load.png from the raw generations of `make bench-load`.
 
 Definitions (per N, mode and temperature):
-- aggregate tokens/s: tokens committed to any session inside the steady part of the window
-  (after the warm-up), divided by its length;
+- aggregate tokens/s: tokens committed to any session inside the steady window (it starts once
+  every session has its first token), divided by its length;
 - TTFT: request sent to first token, per generation; ITL: a generation's mean time per output
   token after the first ((t_last - t_first) / (n - 1)), per generation; p50 and p95 of each;
 - passes/token: target verification passes per generated token; every Verdict reports how many
@@ -27,8 +27,8 @@ TARGETS = (
 
 
 def summarize(rows: list[dict], plan: dict) -> dict:
-    warm, win = plan["warmup_s"], plan["window_s"]
-    tokens = sum(warm <= t <= win for r in rows for t in r["token_times_s"])
+    win = plan["window_s"]
+    tokens = sum(0 <= t <= win for r in rows for t in r["token_times_s"])
     ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
     itl = [
         (r["token_times_s"][-1] - r["token_times_s"][0]) / (len(r["token_times_s"]) - 1)
@@ -51,7 +51,7 @@ def summarize(rows: list[dict], plan: dict) -> dict:
         return float(np.percentile(xs, q)) if xs else float("nan")
 
     return {
-        "tok_s": tokens / (win - warm),
+        "tok_s": tokens / win,
         "ttft_p50": pct(ttft, 50),
         "ttft_p95": pct(ttft, 95),
         "itl_p50": pct(itl, 50) * 1e3,
@@ -136,8 +136,8 @@ def write_load_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         f"`{Path(meta['draft']).name}`; code prompts ({plan['prompts']}) with the chat template; "
         f"edge k = {meta['k']} capped by the cloud's hint; {plan['max_new_tokens']} new tokens "
         "per generation; RTT 0 (loopback).",
-        f"- N closed-loop workers per row, a {plan['window_s']:g} s window, tokens counted after "
-        f"a {plan['warmup_s']:g} s warm-up.",
+        f"- N closed-loop workers per row; tokens counted over a {plan['window_s']:g} s steady "
+        "window that starts when every session has its first token.",
         "",
         "Replay check (one session live, one replayed, per temperature): "
         + "; ".join(
