@@ -22,6 +22,7 @@ import grpc
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specsplit.cloud.lease import Lease
 from specsplit.cloud.session import (
     Code,
     Commit,
@@ -115,10 +116,10 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if self._client is not None:
             await self._client.close()
 
-    def _release(self, triton: TritonSession) -> None:
+    def _release(self, lease: Lease) -> None:
         # Freeing the Triton session runs in its own task: a client that cancels the call right
         # after Finished (or mid-generation) cancels this handler, and must not leak the KV cache.
-        task = asyncio.create_task(triton.close())
+        task = asyncio.create_task(lease.release())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -126,7 +127,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if self.active >= self.max_sessions:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server at its session limit")
         self.active += 1
-        triton = TritonSession(self.client)
+        triton = Lease(self.client, TritonSession(self.client))
         try:
             async for msg in self._generate(request_iterator, triton):
                 yield msg
@@ -142,7 +143,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             self.active -= 1
             self._release(triton)
 
-    async def _generate(self, requests, triton: TritonSession):
+    async def _generate(self, requests, triton: Lease):
         it = requests.__aiter__()
         first = await anext(it, None)
         if first is None:
@@ -221,7 +222,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             max_new_tokens=session.max_new_tokens,
         )
 
-    async def _speculative(self, session: Session, triton: TritonSession, it):
+    async def _speculative(self, session: Session, triton: Lease, it):
         async for msg in it:
             kind = msg.WhichOneof("msg")
             if kind == "finish":
@@ -239,7 +240,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             if session.finish is not Finish.NONE:
                 return
 
-    async def _cloud_only(self, session: Session, triton: TritonSession, it):
+    async def _cloud_only(self, session: Session, triton: Lease, it):
         # Watch the client stream for Finish while the target generates alone.
         # A plain half-close is fine; only an explicit Finish cancels; a Draft is refused.
         refused: list[str] = []
@@ -285,7 +286,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             qs.append(q)
         return qs
 
-    async def _round(self, session, triton, drafts, q, t0) -> pb.Verdict:
+    async def _round(self, session, triton: Lease, drafts, q, t0) -> pb.Verdict:
         tokens = [session.committed[-1], *drafts]
         try:
             reply = await triton.verify(session.committed_len, tokens, q)
