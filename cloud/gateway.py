@@ -243,20 +243,25 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     async def _cloud_only(self, session: Session, triton: Lease, it):
         # Watch the client stream for Finish while the target generates alone.
         # A plain half-close is fine; only an explicit Finish cancels; a Draft is refused.
+        # The watcher only raises a flag: a round in flight commits (and may set a stop reason),
+        # and the Finish takes effect before the next round, so neither overwrites the other.
         refused: list[str] = []
+        stop = asyncio.Event()
 
         async def watch() -> None:
             async for msg in it:
                 kind = msg.WhichOneof("msg")
                 if kind != "finish":
                     refused.append(f"{kind} on a cloud_only stream")
-                if session.finish is Finish.NONE:
-                    session.finish = Finish.CANCELLED
+                stop.set()
                 return
 
         watcher = asyncio.create_task(watch())
         try:
             while session.finish is Finish.NONE:
+                if stop.is_set():
+                    session.finish = Finish.CANCELLED
+                    break
                 yield await self._round(session, triton, [], None, time.perf_counter())
             if refused:
                 raise ProtocolError(Code.FAILED_PRECONDITION, refused[0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -168,3 +170,23 @@ def test_triton_down_gives_unavailable(tiny, tmp_path):
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
             )
         assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_finish_in_cloud_only_is_not_overwritten(cloud):
+    """An explicit Finish ends a cloud_only stream as CANCELLED, however a round is in flight."""
+
+    async def run() -> list[pb.ServerMessage]:
+        async with grpc.aio.insecure_channel(cloud.address) as channel:
+            call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=60)
+            await call.write(start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_only=True))
+            out = [await call.read(), await call.read()]  # Started, a first Verdict
+            await call.write(pb.ClientMessage(finish=pb.Finish()))
+            await call.done_writing()
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                out.append(msg)
+            return out
+
+    out = asyncio.run(run())
+    verdicts = [m.verdict for m in out if m.WhichOneof("msg") == "verdict"]
+    assert out[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+    assert len(verdicts) < 400 and not any(v.finished for v in verdicts)
