@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,8 +93,15 @@ _STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
 
 
 class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
-    def __init__(self, triton_url: str, model: ModelIdentity, max_sessions: int = 64):
+    def __init__(
+        self,
+        triton_url: str,
+        model: ModelIdentity,
+        max_sessions: int = 64,
+        session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
+    ):
         self.triton_url = triton_url
+        self.session_factory = session_factory  # tests pass fakes
         self.model = model
         self.max_sessions = max_sessions
         self.active = 0
@@ -127,12 +134,19 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if self.active >= self.max_sessions:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server at its session limit")
         self.active += 1
-        triton = Lease(self.client, TritonSession(self.client))
+        triton = Lease(self.client, self.session_factory(self.client))
         try:
             async for msg in self._generate(request_iterator, triton):
                 yield msg
         except ProtocolError as e:
             await context.abort(_STATUS[e.code], e.message)
+        except SessionLost as e:  # lost again right after a re-open: Triton is restarting
+            log.warning("session lost twice in one round: %s", e)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "inference server lost the session twice in one round; "
+                "retry with the committed sequence as the prompt",
+            )
         except TritonUnavailable as e:
             log.warning("inference server unavailable: %s", e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "inference server unavailable")
@@ -322,10 +336,11 @@ async def start_gateway(
     host: str = "127.0.0.1",
     port: int = 0,
     max_sessions: int = 64,
+    session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
     """Starts the gateway; returns (server, bound port, service). Port 0 picks a free port."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    service = SpeculativeService(triton_url, model, max_sessions)
+    service = SpeculativeService(triton_url, model, max_sessions, session_factory)
     pb_grpc.add_SpeculativeDecodingServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
