@@ -14,10 +14,11 @@ place, and raised as ``SpecsplitError`` with the status code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -43,6 +44,7 @@ from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.seeding import round_rng
 
 MODES = ("split", "cloud-only", "edge-only")
+T = TypeVar("T")
 
 
 class SpecsplitError(RuntimeError):
@@ -216,6 +218,56 @@ class SplitClient:
                 await session.close()
 
 
+class _Stopped(Exception):
+    """The draft-ahead worker was told to stop (its generation ended)."""
+
+
+class _Stoppable:
+    """The drafter as the draft-ahead worker sees it: each forward pass first checks ``stop``."""
+
+    def __init__(self, drafter: Drafter, stop: threading.Event):
+        self._drafter, self._stop = drafter, stop
+        self.vocab_size, self.eos_token_ids = drafter.vocab_size, drafter.eos_token_ids
+
+    @property
+    def cached(self) -> list[int]:
+        return self._drafter.cached
+
+    def truncate(self, n: int) -> None:
+        self._drafter.truncate(n)
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        if self._stop.is_set():
+            raise _Stopped
+        return self._drafter.forward(tokens)
+
+
+class _Worker:
+    """``fn(*args, stop)`` in a thread. Its future is only ever awaited through a shield, so a
+    cancelled await never detaches the thread: ``join`` stops it at the next forward pass and
+    returns once it has left the drafter, even when cancelled meanwhile."""
+
+    def __init__(self, fn: Callable[..., T], *args):
+        self.stop = threading.Event()
+        self.future = asyncio.get_running_loop().run_in_executor(None, fn, *args, self.stop)
+
+    async def result(self) -> T:
+        return await asyncio.shield(self.future)
+
+    async def join(self) -> None:
+        self.stop.set()
+        cancelled = False
+        while not self.future.done():
+            try:
+                await asyncio.shield(self.future)
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception:
+                pass
+        if cancelled:
+            raise asyncio.CancelledError
+
+
 class _Session:
     """One stream: Start, then rounds until a finished Verdict."""
 
@@ -271,7 +323,9 @@ class _Session:
                 f"{model.name!r} ({model.vocab_size}): not a matching draft model",
             )
 
-    def _draft(self, k: int, prefix: list[int] | None = None) -> tuple[Block, float]:
+    def _draft(
+        self, k: int, prefix: list[int] | None = None, drafter: Drafter | None = None
+    ) -> tuple[Block, float]:
         """A block of k tokens after ``prefix`` (default: the committed prefix), and the time it
         took (ms). The generator depends only on the prefix length, so a block drafted ahead for
         a guessed prefix equals the one drafted after the verdict confirms it."""
@@ -279,23 +333,15 @@ class _Session:
         seq = self.committed if prefix is None else prefix
         rng = round_rng(cfg.seed, "draft", len(seq))
         t0 = time.perf_counter()
-        block = draft_block(self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
+        block = draft_block(drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3
 
-    def _draft_ahead(self, seq: list[int], k: int) -> tuple[int, Block]:
+    def _draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
         the bonus as the draft's top token and drafts the block after it."""
-        guess = int(np.argmax(next_logits(self.drafter, seq)))
-        return guess, self._draft(k, [*seq, guess])[0]
-
-    async def _verdict(self, ahead) -> pb.Verdict:
-        try:
-            return await self._recv("verdict")
-        except BaseException:
-            if ahead is not None:  # the drafter must be idle before anyone else touches it
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(ahead)
-            raise
+        drafter = _Stoppable(self.drafter, stop)
+        guess = int(np.argmax(next_logits(drafter, seq)))
+        return guess, self._draft(k, [*seq, guess], drafter)[0]
 
     async def _split(self, started: pb.Started, first) -> AsyncIterator[list[int]]:
         cfg, stats = self.cfg, self.stats
@@ -322,17 +368,19 @@ class _Session:
             ahead = None
             if cfg.draft_ahead and k > 0 and k_next > 0:
                 seq = [*self.committed, *block.tokens]
-                ahead = asyncio.get_running_loop().run_in_executor(
-                    None, self._draft_ahead, seq, k_next
-                )
-            v = await self._verdict(ahead)
-            t2 = time.perf_counter()
-            if ahead is not None:
-                guess, next_block = await ahead
-                waited_ms = (time.perf_counter() - t2) * 1e3
-                if v.accepted == k and v.has_token and v.token == guess and not v.finished:
-                    first = (next_block, waited_ms)  # only the wait is on the critical path
-                    stats.ahead_hits += 1
+                ahead = _Worker(self._draft_ahead, seq, k_next)
+            try:
+                v = await self._recv("verdict")
+                t2 = time.perf_counter()
+                if ahead is not None:
+                    guess, next_block = await ahead.result()
+                    waited_ms = (time.perf_counter() - t2) * 1e3
+                    if v.accepted == k and v.has_token and v.token == guess and not v.finished:
+                        first = (next_block, waited_ms)  # only the wait is on the critical path
+                        stats.ahead_hits += 1
+            finally:
+                if ahead is not None:  # the drafter must be idle before anyone else touches it
+                    await ahead.join()
             chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
             self.committed += chunk
             remaining -= len(chunk)

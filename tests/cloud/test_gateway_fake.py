@@ -7,32 +7,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from specsplit.cloud.gateway import ModelIdentity, start_gateway
-from specsplit.cloud.session import ModelLimits
 from specsplit.cloud.triton_client import SessionLost, VerifyReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
-
-MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=256, max_context=512), "")
-NOWHERE = "127.0.0.1:1"  # no Triton: the fakes answer instead
-
-
-class FakeTriton:
-    """Accepts nothing, answers token 7; subclasses break it."""
-
-    def __init__(self, client) -> None:
-        self.sequence_id = 1
-
-    async def start(self, prompt, sampling, mode, seed) -> None:
-        pass
-
-    async def reopen(self, prompt, sampling, mode, seed) -> None:
-        pass
-
-    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
-        return VerifyReply(accepted=0, token=7, verify_ms=1.0, roundtrip_ms=1.0)
-
-    async def close(self) -> None:
-        pass
+from tests.fakes import FakeTriton, gateway
 
 
 class AlwaysLost(FakeTriton):
@@ -55,22 +32,15 @@ def draft_msg(base_len: int, tokens: Sequence[int]) -> pb.ClientMessage:
 
 async def exchange(factory, messages, **gateway_kw) -> tuple[list, grpc.StatusCode, str]:
     """Runs one stream against an in-process gateway; returns (replies, status, details)."""
-    server, port, service = await start_gateway(
-        NOWHERE, MODEL, session_factory=factory, **gateway_kw
-    )
     replies: list[pb.ServerMessage] = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = pb_grpc.SpeculativeDecodingStub(channel).Generate(iter(messages), timeout=20)
-            try:
-                async for msg in call:
-                    replies.append(msg)
-            except grpc.aio.AioRpcError as e:
-                return replies, e.code(), e.details()
-            return replies, grpc.StatusCode.OK, ""
-    finally:
-        await server.stop(grace=None)
-        await service.close()
+    async with gateway(factory, **gateway_kw) as address, grpc.aio.insecure_channel(address) as ch:
+        call = pb_grpc.SpeculativeDecodingStub(ch).Generate(iter(messages), timeout=20)
+        try:
+            async for msg in call:
+                replies.append(msg)
+        except grpc.aio.AioRpcError as e:
+            return replies, e.code(), e.details()
+        return replies, grpc.StatusCode.OK, ""
 
 
 def test_session_lost_twice_in_a_round_is_unavailable():
