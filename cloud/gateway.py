@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -215,7 +216,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             prompt=prompt,
             sampling=sampling,
             mode=mode,
-            seed=start.sampling.seed,
+            # Absent: a fresh random seed per request, returned in Started.
+            seed=start.sampling.seed if start.sampling.HasField("seed") else secrets.randbits(63),
             max_new_tokens=min(start.sampling.max_new_tokens, limits.max_context - len(prompt)),
             stop_ids=frozenset(start.sampling.stop_token_ids),
         )
@@ -234,6 +236,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             verification=MODE_TO_PB[session.mode],
             committed_len=session.committed_len,
             max_new_tokens=session.max_new_tokens,
+            seed=session.seed,
         )
 
     async def _speculative(self, session: Session, triton: Lease, it):

@@ -144,7 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
+    )
     g.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per round")
     g.add_argument("--verification", choices=tuple(VERIFICATION), default="auto")
     g.add_argument("--mode", choices=MODES, default="split")

@@ -14,6 +14,7 @@ place, and raised as ``SpecsplitError`` with the status code.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -59,7 +60,9 @@ class SpecsplitError(RuntimeError):
 class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
-    seed: int = 0
+    # None: the server picks a seed per request (edge-only: the edge does) and reports it in
+    # stats.seed; give one to reproduce a run.
+    seed: int | None = None
     draft_tokens: int = 4  # k
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
@@ -110,7 +113,8 @@ class SplitClient:
         return Generation(self._with_retries(list(prompt_ids), cfg, stats, mode), stats)
 
     async def _edge_only(self, prompt, cfg, stats) -> AsyncIterator[list[int]]:
-        rng = round_rng(cfg.seed, "edge-only", len(prompt))
+        stats.seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
+        rng = round_rng(stats.seed, "edge-only", len(prompt))
         tokens = generate_edge_only(
             self.drafter, prompt, cfg.sampling, cfg.max_new_tokens, rng, frozenset(cfg.stop_ids)
         )
@@ -132,7 +136,10 @@ class SplitClient:
         attempts = 0
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
-            session = _Session(self._stub, self.drafter, cfg, stats, committed, remaining)
+            # A re-open sends the seed the first Started reported: sampling resumes unchanged.
+            session = _Session(
+                self._stub, self.drafter, cfg, stats, committed, remaining, stats.seed
+            )
             try:
                 async for chunk in session.run(cloud_only=mode == "cloud-only"):
                     committed += chunk
@@ -201,10 +208,13 @@ class _Worker:
 class _Session:
     """One stream: Start, then rounds until a finished Verdict."""
 
-    def __init__(self, stub, drafter, cfg: GenerationConfig, stats, committed, max_new_tokens):
+    def __init__(
+        self, stub, drafter, cfg: GenerationConfig, stats, committed, max_new_tokens, seed
+    ):
         self.stub, self.drafter, self.cfg, self.stats = stub, drafter, cfg, stats
         self.committed = list(committed)  # own copy: the caller extends its list from chunks
         self.max_new_tokens = max_new_tokens
+        self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
         self.call = None
 
     async def _send(self, msg: pb.ClientMessage) -> None:
@@ -227,14 +237,19 @@ class _Session:
             protocol_version=PROTOCOL_VERSION,
             model=cfg.model,
             prompt_ids=self.committed,
-            sampling=sampling_params(cfg.sampling, cfg.seed, self.max_new_tokens, cfg.stop_ids),
+            sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
             verification=MODE_TO_PB.get(cfg.verification, 0),
             cloud_only=cloud_only,
         )
         await self._send(pb.ClientMessage(start=start))
-        # Draft the first block (the draft's own prefill included) while the cloud prefills.
-        first = None if cloud_only else self._draft(min(cfg.draft_tokens, self.max_new_tokens - 1))
+        # Draft the first block (the draft's own prefill included) while the cloud prefills;
+        # a sampled draft needs the seed first, which Started brings when we sent none.
+        early = not cloud_only and (self.seed is not None or cfg.sampling.greedy)
+        first = self._draft(min(cfg.draft_tokens, self.max_new_tokens - 1)) if early else None
         started = await self._recv("started")
+        self.seed = self.stats.seed = started.seed
+        if not cloud_only and first is None:
+            first = self._draft(min(cfg.draft_tokens, started.max_new_tokens - 1))
         if not cloud_only:
             self._check_pair(started.model)
         rounds = self._cloud_only() if cloud_only else self._split(started, first)
@@ -261,7 +276,7 @@ class _Session:
         a guessed prefix equals the one drafted after the verdict confirms it."""
         cfg = self.cfg
         seq = self.committed if prefix is None else prefix
-        rng = round_rng(cfg.seed, "draft", len(seq))
+        rng = None if cfg.sampling.greedy else round_rng(self.seed, "draft", len(seq))
         t0 = time.perf_counter()
         block = draft_block(drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3

@@ -21,6 +21,7 @@ class GenerationStats:
     bytes_down: int = 0
     ahead_hits: int = 0  # rounds whose block was drafted while the previous verdict was in flight
     finish: str = ""
+    seed: int | None = None  # the seed in force (the server's pick when none was given)
     draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge
     round_ms: list[float] = field(default_factory=list)  # per round, send -> verdict
     verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)

@@ -42,8 +42,9 @@ def sampling_config(params: pb.SamplingParams) -> SamplingConfig:
 
 
 def sampling_params(
-    cfg: SamplingConfig, seed: int, max_new_tokens: int, stop_ids: Sequence[int] = ()
+    cfg: SamplingConfig, seed: int | None, max_new_tokens: int, stop_ids: Sequence[int] = ()
 ) -> pb.SamplingParams:
+    """seed None leaves the field absent: the server picks one and returns it in Started."""
     return pb.SamplingParams(
         temperature=cfg.temperature,
         top_k=cfg.top_k,

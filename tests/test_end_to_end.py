@@ -95,6 +95,20 @@ def test_sampling_same_seed_same_output(cloud, tiny, verification):
     assert len(a) == N_NEW
 
 
+@pytest.mark.parametrize("mode", ["split", "cloud-only", "edge-only"])
+def test_sampling_without_seed_differs_and_reports_its_seed(cloud, tiny, mode):
+    """No seed: the server picks one per request (so sampled requests differ) and reports it;
+    sending that seed back reproduces the output."""
+    drafter = OnnxDrafter(tiny.draft_onnx)
+    cfg = dict(max_new_tokens=N_NEW, draft_tokens=3, sampling=SamplingConfig(temperature=1.0))
+    a = run(generate(cloud.address, drafter, PROMPTS[0], mode, **cfg))
+    b = run(generate(cloud.address, drafter, PROMPTS[0], mode, **cfg))
+    assert a.token_ids != b.token_ids
+    assert a.stats.seed is not None and a.stats.seed != b.stats.seed
+    again = run(generate(cloud.address, drafter, PROMPTS[0], mode, seed=a.stats.seed, **cfg))
+    assert again.token_ids == a.token_ids and again.stats.seed == a.stats.seed
+
+
 def target_probs(tiny, prompt, cfg: SamplingConfig) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM

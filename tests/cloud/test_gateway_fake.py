@@ -53,3 +53,10 @@ def test_fake_round_trip():
     replies, code, _ = asyncio.run(exchange(FakeTriton, [start_msg(), draft_msg(3, [5])]))
     assert code == grpc.StatusCode.OK
     assert [m.WhichOneof("msg") for m in replies] == ["started", "verdict", "finished"]
+
+
+def test_started_reports_the_seed_in_force():
+    given, _, _ = asyncio.run(exchange(FakeTriton, [start_msg(seed=12345)]))
+    picked = [asyncio.run(exchange(FakeTriton, [start_msg()]))[0] for _ in range(2)]
+    assert given[0].started.seed == 12345
+    assert picked[0][0].started.seed != picked[1][0].started.seed
