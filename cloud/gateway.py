@@ -24,6 +24,7 @@ import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specsplit.cloud.lease import Lease
+from specsplit.cloud.security import Security
 from specsplit.cloud.session import (
     Code,
     Commit,
@@ -340,14 +341,22 @@ async def start_gateway(
     port: int = 0,
     max_sessions: int = 64,
     session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
+    security: Security | None = None,
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
     """Starts the gateway; returns (server, bound port, service). Port 0 picks a free port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    security = security or Security()
+    server = grpc.aio.server(
+        interceptors=security.interceptors(), options=[("grpc.so_reuseport", 0)]
+    )
     service = SpeculativeService(triton_url, model, max_sessions, session_factory)
     pb_grpc.add_SpeculativeDecodingServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()

@@ -19,11 +19,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import numpy as np
 
+from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import (
     DEFAULT_Q_ENTRIES,
     Block,
@@ -75,10 +77,27 @@ class GenerationConfig:
 
 
 class SplitClient:
-    def __init__(self, address: str | None, drafter: Drafter | None = None):
+    """A connection to a gateway. TLS when ``tls`` is true or any tls_* file is given;
+    ``token`` is sent as ``authorization: Bearer <token>`` on every call."""
+
+    def __init__(
+        self,
+        address: str | None,
+        drafter: Drafter | None = None,
+        *,
+        tls: bool = False,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        token: str | None = None,
+    ):
         self.address = address
         self.drafter = drafter
-        self._channel = grpc.aio.insecure_channel(address) if address else None
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._channel = None
+        if address:
+            tls_files = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+            self._channel = open_channel(address, tls=tls, **tls_files)
         self._stub = pb_grpc.SpeculativeDecodingStub(self._channel) if self._channel else None
 
     async def __aenter__(self) -> SplitClient:
@@ -140,6 +159,7 @@ class SplitClient:
             session = _Session(
                 self._stub, self.drafter, cfg, stats, committed, remaining, stats.seed
             )
+            session.metadata = self.metadata
             try:
                 async for chunk in session.run(cloud_only=mode == "cloud-only"):
                     committed += chunk
@@ -216,6 +236,7 @@ class _Session:
         self.max_new_tokens = max_new_tokens
         self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
         self.call = None
+        self.metadata = None  # the call's metadata (the bearer token)
 
     async def _send(self, msg: pb.ClientMessage) -> None:
         self.stats.bytes_up += msg.ByteSize()
@@ -232,7 +253,7 @@ class _Session:
 
     async def run(self, cloud_only: bool) -> AsyncIterator[list[int]]:
         cfg = self.cfg
-        self.call = self.stub.Generate()
+        self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
             protocol_version=PROTOCOL_VERSION,
             model=cfg.model,
