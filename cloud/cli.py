@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
+from specsplit.cloud.limits import Limits
 from specsplit.cloud.security import Security, load_tokens
 from specsplit.cloud.triton import TritonError, TritonServer
 from specsplit.shared.sources import TARGET_DEFAULT, SourceError, resolve_model
@@ -46,8 +47,17 @@ def _security(args: argparse.Namespace) -> Security:
     return security
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(
+        max_sessions=args.max_sessions,
+        start_timeout_s=args.start_deadline,
+        idle_timeout_s=args.idle_timeout,
+        max_message_bytes=args.max_message_bytes,
+    )
+
+
 async def serve(args: argparse.Namespace) -> int:
-    security = _security(args)  # bad security flags fail before Triton starts
+    security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.model_name)
     stop = asyncio.Event()
@@ -67,7 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
         triton_url = triton.url
     try:
         server, port, service = await start_gateway(
-            triton_url, identity, args.host, args.port, args.max_sessions, security=security
+            triton_url, identity, args.host, args.port, limits=limits, security=security
         )
         print(
             f"specsplit-cloud ready on {args.host}:{port} "
@@ -104,7 +114,25 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="target precision (auto: float32 on CPU, bfloat16 on GPU)",
     )
-    s.add_argument("--max-sessions", type=int, default=64)
+    s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
+    s.add_argument(
+        "--start-deadline",
+        type=float,
+        default=10.0,
+        help="seconds a new stream may take to send its Start (default 10)",
+    )
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a split stream may stay silent between rounds (default 60)",
+    )
+    s.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest client message accepted (default 1 MiB)",
+    )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     s.add_argument(

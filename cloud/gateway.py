@@ -24,6 +24,13 @@ import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specsplit.cloud.lease import Lease
+from specsplit.cloud.limits import (
+    Limits,
+    check_verification,
+    decode_client_message,
+    next_message,
+    sampling_config,
+)
 from specsplit.cloud.security import Security
 from specsplit.cloud.session import (
     Code,
@@ -48,7 +55,6 @@ from specsplit.shared.protocol import (
     SERVICE_NAME,
     pb,
     pb_grpc,
-    sampling_config,
     sparse_from_pb,
 )
 
@@ -99,13 +105,13 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self,
         triton_url: str,
         model: ModelIdentity,
-        max_sessions: int = 64,
+        limits: Limits | None = None,
         session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
     ):
         self.triton_url = triton_url
         self.session_factory = session_factory  # tests pass fakes
         self.model = model
-        self.max_sessions = max_sessions
+        self.limits = limits or Limits()
         self.active = 0
         self._client: aioclient.InferenceServerClient | None = None
         self._closing: set[asyncio.Task] = set()
@@ -133,8 +139,12 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         task.add_done_callback(self._closing.discard)
 
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
-        if self.active >= self.max_sessions:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server at its session limit")
+        if self.active >= self.limits.max_sessions:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server at its limit of {self.limits.max_sessions} sessions; retry in a few "
+                "seconds, or on another replica",
+            )
         self.active += 1
         triton = Lease(self.client, self.session_factory(self.client))
         try:
@@ -161,7 +171,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
 
     async def _generate(self, requests, triton: Lease):
         it = requests.__aiter__()
-        first = await anext(it, None)
+        first = await next_message(it, self.limits.start_timeout_s, "Start")
         if first is None:
             return
         if first.WhichOneof("msg") != "start":
@@ -206,8 +216,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             )
         if start.sampling.max_new_tokens < 1:
             raise ProtocolError(Code.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
+        check_verification(start.verification)
+        sampling = sampling_config(start.sampling, limits.vocab_size)
         try:
-            sampling = sampling_config(start.sampling)
             requested = PB_TO_MODE.get(start.verification)
             mode = resolve_mode(requested, sampling.temperature, has_q=True)
         except ValueError as e:
@@ -241,7 +252,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         )
 
     async def _speculative(self, session: Session, triton: Lease, it):
-        async for msg in it:
+        idle_s = self.limits.idle_timeout_s
+        while (msg := await next_message(it, idle_s, "Draft or Finish")) is not None:
             kind = msg.WhichOneof("msg")
             if kind == "finish":
                 session.finish = Finish.CANCELLED
@@ -263,16 +275,22 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         # A plain half-close is fine; only an explicit Finish cancels; a Draft is refused.
         # The watcher only raises a flag: a round in flight commits (and may set a stop reason),
         # and the Finish takes effect before the next round, so neither overwrites the other.
-        refused: list[str] = []
+        refused: list[ProtocolError] = []
         stop = asyncio.Event()
 
         async def watch() -> None:
-            async for msg in it:
+            try:  # the client may stay silent for the whole generation: no idle timeout here
+                msg = await next_message(it, None, "Finish")
+            except ProtocolError as e:
+                refused.append(e)
+                msg = None
+            if msg is not None and msg.WhichOneof("msg") != "finish":
                 kind = msg.WhichOneof("msg")
-                if kind != "finish":
-                    refused.append(f"{kind} on a cloud_only stream")
+                refused.append(
+                    ProtocolError(Code.FAILED_PRECONDITION, f"{kind} on a cloud_only stream")
+                )
+            if msg is not None or refused:
                 stop.set()
-                return
 
         watcher = asyncio.create_task(watch())
         try:
@@ -282,7 +300,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     break
                 yield await self._round(session, triton, [], None, time.perf_counter())
             if refused:
-                raise ProtocolError(Code.FAILED_PRECONDITION, refused[0])
+                raise refused[0]
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -339,17 +357,15 @@ async def start_gateway(
     model: ModelIdentity,
     host: str = "127.0.0.1",
     port: int = 0,
-    max_sessions: int = 64,
-    session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
+    limits: Limits | None = None,
     security: Security | None = None,
+    session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
     """Starts the gateway; returns (server, bound port, service). Port 0 picks a free port."""
-    security = security or Security()
-    server = grpc.aio.server(
-        interceptors=security.interceptors(), options=[("grpc.so_reuseport", 0)]
-    )
-    service = SpeculativeService(triton_url, model, max_sessions, session_factory)
-    pb_grpc.add_SpeculativeDecodingServicer_to_server(service, server)
+    limits, security = limits or Limits(), security or Security()
+    server = grpc.aio.server(interceptors=security.interceptors(), options=limits.server_options())
+    service = SpeculativeService(triton_url, model, limits, session_factory)
+    server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     credentials = security.credentials()
@@ -363,6 +379,17 @@ async def start_gateway(
     await _update_health(service, health_servicer)  # known before anyone is told we are ready
     service.health_task = asyncio.create_task(_watch_health(service, health_servicer))
     return server, bound, service
+
+
+def _handlers(service: SpeculativeService) -> grpc.GenericRpcHandler:
+    # The generated add_..._to_server would decode with ClientMessage.FromString, whose
+    # DecodeError grpc reports as UNKNOWN; ours hands the servicer a marker instead.
+    generate = grpc.stream_stream_rpc_method_handler(
+        service.Generate,
+        request_deserializer=decode_client_message,
+        response_serializer=pb.ServerMessage.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": generate})
 
 
 async def _update_health(service: SpeculativeService, servicer, timeout_s: float = 2.0) -> None:
