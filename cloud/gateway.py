@@ -23,6 +23,7 @@ from specsplit.cloud.identity import ModelIdentity
 from specsplit.cloud.lease import Lease
 from specsplit.cloud.limits import (
     Limits,
+    before_refusing,
     check_verification,
     decode_client_message,
     next_message,
@@ -100,6 +101,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
 
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
         if self.active >= self.limits.max_sessions:
+            await before_refusing(request_iterator)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"server at its limit of {self.limits.max_sessions} sessions; retry in a few "

@@ -1,16 +1,18 @@
 """A Triton session's lifetime at the gateway: every START is matched by an END.
 
-The session's own stream to Triton cannot carry that END when the client cancels mid-call: the
-cancelled read cancels the stream, and a cancel during Start leaves the session unmarked. So the
-lease marks the session open *before* START is sent, notes when a call was interrupted, and then
-frees the KV cache with a request of its own, independent of the broken stream.
+A client that cancels mid-call cancels the gateway's handler; had that cancelled the Triton call
+too, the cancelled read would cancel the session's stream, the END sent on it would never arrive,
+and a START cut off in transit could reach Triton after any END we sent. So a call runs in its
+own task and the handler only waits for it (shielded): the call completes, and ``release`` ends
+the session on its intact stream. Only a call that fails its transport (or outlives a generous
+wait) leaves the END to a request of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import numpy as np
@@ -27,47 +29,58 @@ from specsplit.cloud.triton_client import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CALL_WAIT_S = 30.0  # a call in flight when the client left: time it gets to finish
 END_TIMEOUT_S = 5.0
-# An interrupted START may still be on its way to Triton when our END arrives and is refused as
-# unknown; asking again after this pause catches it.
-END_RETRY_S = (0.0, 0.5)
+# A START cut off in transit may reach Triton after our END (refused as unknown): ask again.
+END_RETRY_S = (0.0, 0.5, 2.0)
 
 
 class Lease:
-    """TritonSession's calls, tracked; ``release`` always frees what START allocated."""
+    """TritonSession's calls, each shielded from the caller's cancellation; ``release`` always
+    frees what START allocated."""
 
     def __init__(self, client: aioclient.InferenceServerClient, triton: TritonSession):
         self.client = client
         self.triton = triton
         self.opened = False  # a START was (or may have been) sent
-        self.interrupted = False  # a call did not get its answer: its stream is unusable
+        self._call_task: asyncio.Future | None = None  # the latest call to Triton
 
     async def start(self, prompt, sampling, mode, seed: int) -> None:
-        await self._call(self.triton.start, prompt, sampling, mode, seed, opens=True)
+        await self._call(self.triton.start(prompt, sampling, mode, seed), opens=True)
 
     async def reopen(self, prompt, sampling, mode, seed: int) -> None:
-        await self._call(self.triton.reopen, prompt, sampling, mode, seed, opens=True)
+        await self._call(self.triton.reopen(prompt, sampling, mode, seed), opens=True)
 
     async def verify(self, base_len: int, tokens, q=None) -> VerifyReply:
-        return await self._call(self.triton.verify, base_len, tokens, q)
+        return await self._call(self.triton.verify(base_len, tokens, q))
 
-    async def _call(self, fn: Callable[..., Awaitable[T]], *args, opens: bool = False) -> T:
+    async def _call(self, coro: Awaitable[T], opens: bool = False) -> T:
         if opens:
             self.opened = True  # before sending: a cancel mid-START must still END it
-        self.interrupted = True
-        try:
-            result = await fn(*args)
-        except (SessionLost, TritonRequestError):
-            self.interrupted = False  # Triton answered (with an error): the stream is fine
-            raise
-        self.interrupted = False
-        return result
+        self._call_task = asyncio.ensure_future(coro)
+        return await asyncio.shield(self._call_task)
 
     async def release(self) -> None:
-        """Never raises. END on the session's stream when intact, else a request of its own."""
+        """Never raises. Lets a call in flight finish, then ENDs the session on its stream; a
+        request of its own when that stream is broken."""
+        task = self._call_task
+        if task is not None and not task.done():
+            await asyncio.wait([task], timeout=CALL_WAIT_S)
+        broken = False
+        if task is not None:
+            if not task.done():
+                task.cancel()
+                broken = True
+            elif task.cancelled():
+                broken = True
+            else:
+                error = task.exception()  # retrieved either way: no "never retrieved" warning
+                broken = error is not None and not isinstance(
+                    error, SessionLost | TritonRequestError
+                )
         sequence_id = self.triton.sequence_id
         await self.triton.close()
-        if self.opened and self.interrupted:
+        if self.opened and broken:
             await end_sequence(self.client, sequence_id)
 
 

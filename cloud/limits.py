@@ -9,6 +9,7 @@ stream DEADLINE_EXCEEDED, and the session it held is freed like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -85,6 +86,19 @@ async def next_message(
     if isinstance(msg, Undecodable):
         raise ProtocolError(Code.INVALID_ARGUMENT, f"undecodable ClientMessage: {msg.error}")
     return msg
+
+
+async def before_refusing(requests, wait_s: float = 1.0) -> None:
+    """Receives a stream's first message (waiting at most ``wait_s``) before it is refused.
+
+    A grpc.aio client whose write is still in flight when the stream ends reports INTERNAL
+    ("Internal error from Core") instead of the status we send; the edge writes its Start and
+    then only reads, so once that Start is received our status is the one it sees.
+    """
+    if hasattr(requests, "__aiter__"):
+        # A timeout or a broken stream: refuse all the same.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(anext(requests.__aiter__(), None), wait_s)
 
 
 def sampling_config(params: pb.SamplingParams, vocab_size: int) -> SamplingConfig:

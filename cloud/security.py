@@ -16,6 +16,8 @@ from pathlib import Path
 
 import grpc
 
+from specsplit.cloud.limits import before_refusing
+
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
 
@@ -88,7 +90,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return _refusal(handler)
 
 
-async def _refuse(_request, context: grpc.aio.ServicerContext) -> None:
+async def _refuse(request, context: grpc.aio.ServicerContext) -> None:
+    await before_refusing(request)
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
