@@ -15,7 +15,7 @@ MAX_TOKENS ?= 96
 TEMPERATURE ?= 0
 K ?= 4
 
-.PHONY: setup proto test lint format demo bench bench-quick clean
+.PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,13 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m bench.run --quick
+
+# One cloud, N = 1..32 concurrent sessions, split vs cloud-only: docs/load.md + docs/load.png.
+bench-load: setup
+	$(PY) -m bench.load
+
+bench-load-quick: setup
+	$(PY) -m bench.load --quick
 
 clean:
 	rm -rf $(STUBS) $(STAMP) .pytest_cache .ruff_cache .hypothesis build dist

@@ -18,7 +18,7 @@ import numpy as np
 TARGETS = {"speedup": 1.5, "passes_per_token": 0.35, "overhead_ms": 3.0}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -268,7 +268,7 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         "",
         "## Conditions",
         "",
-        f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} "
+        f"- Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} "
         f"{platform.machine()}, Python {sys.version.split()[0]}, no GPU.",
         f"- Target: `{Path(meta['target']).name}` in Triton (Python backend, torch, dtype "
         f"{meta['target_dtype']}, auto = float32 on CPU), pinned to cores {meta['cloud_cores']}"

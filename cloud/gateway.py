@@ -139,7 +139,10 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if first.WhichOneof("msg") != "start":
             raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
         session = self._open(first.start)
-        await triton.start(session.prompt, session.sampling, session.mode, session.seed)
+        speculative = not first.start.cloud_only
+        await triton.start(
+            session.prompt, session.sampling, session.mode, session.seed, speculative
+        )
         yield pb.ServerMessage(started=self._started(session))
         if first.start.cloud_only:
             rounds = self._cloud_only(session, triton, it)
@@ -310,7 +313,10 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 verify_ms=reply.verify_ms,
                 server_ms=(time.perf_counter() - t0) * 1e3,
                 queue_ms=max(0.0, reply.roundtrip_ms - reply.verify_ms),
+                batch_sessions=reply.batch_sessions,
+                batch_rows=reply.batch_rows,
             ),
+            max_draft_tokens_hint=min(reply.block_hint, self.model.limits.max_draft_tokens),
         )
 
 

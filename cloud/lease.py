@@ -45,8 +45,8 @@ class Lease:
         self.opened = False  # a START was (or may have been) sent
         self._call_task: asyncio.Future | None = None  # the latest call to Triton
 
-    async def start(self, prompt, sampling, mode, seed: int) -> None:
-        await self._call(self.triton.start(prompt, sampling, mode, seed), opens=True)
+    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
+        await self._call(self.triton.start(prompt, sampling, mode, seed, speculative), opens=True)
 
     async def reopen(self, prompt, sampling, mode, seed: int) -> None:
         await self._call(self.triton.reopen(prompt, sampling, mode, seed), opens=True)

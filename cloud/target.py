@@ -1,9 +1,14 @@
-"""The target model's side of a round: prefill, verify a block in one forward pass, crop the cache.
+"""The target model's side of a round, for many sessions at once: prefill, verify, roll back.
 
 Plain Python + torch, so it is unit-testable without Triton; ``model_repository/target/1/model.py``
 is a thin shell over this. Knows nothing of gRPC or of stop conditions (the gateway owns those).
 
-Cache invariant: after every call, a session's KV cache holds exactly ``committed[:-1]``, i.e.
+``TargetModel.run`` takes every request of one Triton ``execute()`` (opens, verification blocks of
+any k, cloud-only steps with k = 0, ends) and serves all verification rows in ONE forward pass
+(``cloud.ragged``); prefills ride along in chunks of ``PREFILL_CHUNK`` tokens, so only a prompt
+longer than that adds passes.
+
+Cache invariant: after every call, a session's KV slot holds exactly ``committed[:-1]``, i.e.
 ``cache_len == committed_len - 1``. A verify request therefore feeds the last committed token
 followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
 """
@@ -19,6 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
+from specsplit.cloud.kv_slots import Slot
+from specsplit.cloud.ragged import RaggedForward, Segment
 from specsplit.shared.acceptance import (
     Mode,
     RoundResult,
@@ -41,21 +49,67 @@ class SessionParams:
     sampling: SamplingConfig
     mode: Mode
     seed: int = 0
+    speculative: bool = True  # False: a cloud-only session (k = 0 every step)
+
+
+@dataclass(frozen=True)
+class Verified:
+    result: RoundResult
+    verify_ms: float  # the forward pass that served it + its acceptance
 
 
 @dataclass
 class _Session:
     params: SessionParams
-    cache: object  # transformers Cache
-    cache_len: int
+    slot: Slot
     last_used: float = field(default_factory=time.monotonic)
 
+    @property
+    def cache_len(self) -> int:
+        return self.slot.length
 
-def _crop(session: _Session, length: int) -> None:
-    # transformers 5: Cache.crop takes the (negative) number of positions to drop.
-    if session.cache_len > length:
-        session.cache.crop(length - session.cache_len)
-        session.cache_len = length
+
+@dataclass(frozen=True)
+class Open:
+    """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``."""
+
+    sid: int
+    prompt: Sequence[int]
+    params: SessionParams
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Verifies ``tokens`` = [last committed token, d_1..d_k] at ``base_len`` (k = 0: one
+    cloud-only step); ``end`` frees the session afterwards."""
+
+    sid: int
+    base_len: int
+    tokens: Sequence[int]
+    q: Sequence[SparseDist] | None = None  # [k] for REJECTION
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class Close:
+    sid: int
+
+
+Request = Open | Verify | Close
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    """The forward pass that served a batch: what Triton formed, and the hint it led to."""
+
+    rows: int = 0
+    sessions: int = 0
+    ms: float = 0.0
+    block_hint: int = 0
+
+
+PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory for long prompts
+MAX_BLOCK = 16  # the largest k the cloud ever hints (Limits.max_draft_tokens)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +137,7 @@ def pick_device(requested: str | None = None) -> torch.device:
 
 
 class TargetModel:
-    """A causal LM with one KV cache per session id."""
+    """A causal LM serving many sessions, each with its own KV slot, batched per ``run``."""
 
     def __init__(
         self,
@@ -92,6 +146,7 @@ class TargetModel:
         threads: int | None = None,
         dtype: str = "auto",
         packed_linear: bool = True,
+        calibrate: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,58 +161,171 @@ class TargetModel:
             from specsplit.cloud.packed_linear import pack_linears
 
             log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
+        self.forward = RaggedForward(self.model)
         self.vocab_size = int(self.config.vocab_size)
         self.sessions: dict[int, _Session] = {}
         self.forward_passes = 0
+        self.cost = CostModel()
+        self.acceptance = Acceptance()
+        self.last_pass = PassInfo(block_hint=MAX_BLOCK)
+        if calibrate:
+            self.cost.calibrate(self._timed_pass)
+            log.info(
+                "forward cost by rows (ms): %s", {r: round(m, 1) for r, m in self.cost.ms.items()}
+            )
         log.info("target %s on %s (%s), vocab %d", model_dir, self.device, dtype, self.vocab_size)
 
-    def _forward(self, session: _Session, tokens: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=session.cache, use_cache=True)
-        session.cache = out.past_key_values
-        session.cache_len += len(tokens)
-        self.forward_passes += 1
-        return out.logits[0]  # [len(tokens), V]
+    # -- single-request conveniences (tests, tools) -------------------------------------------
 
     def start(self, sid: int, prompt: Sequence[int], params: SessionParams) -> None:
-        """Opens (or re-opens) a session and prefills ``prompt[:-1]``."""
-        from transformers import DynamicCache
+        self._one(Open(sid, prompt, params))
 
-        if not prompt:
-            raise ValueError("prompt must hold at least one token")
-        self._check_ids(prompt)
-        session = _Session(params=params, cache=DynamicCache(), cache_len=0)
-        if len(prompt) > 1:
-            self._forward(session, prompt[:-1])
-        self.sessions[sid] = session
+    def verify(self, sid, base_len, tokens, q=None) -> RoundResult:
+        return self._one(Verify(sid, base_len, tokens, q)).result
 
-    def verify(
-        self,
-        sid: int,
-        base_len: int,
-        tokens: Sequence[int],  # [k + 1]: last committed token, then d_1..d_k
-        q: Sequence[SparseDist] | None = None,  # [k] for REJECTION
-    ) -> RoundResult:
-        session = self._get(sid)
-        if base_len != session.cache_len + 1:
-            raise ValueError(f"base_len {base_len} != committed_len {session.cache_len + 1}")
-        if not tokens:
-            raise ValueError("tokens must hold the last committed token")
-        self._check_ids(tokens)
-        drafts = list(tokens[1:])
-        if session.params.mode is Mode.REJECTION and len(q or ()) != len(drafts):
-            raise ValueError(f"rejection mode needs q for each of the {len(drafts)} drafts")
+    def end(self, sid: int) -> bool:
+        session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.forward.slots.free(sid)
+        return session is not None
+
+    def _one(self, request: Request):
+        [outcome], _ = self.run([request])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    # -- the batch ------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[Request]) -> tuple[list, PassInfo]:
+        """Serves one batch; returns an outcome per request (Verified for Verify, None for
+        Open/Close, or the exception that request failed with) and the first pass's info.
+        A session appearing twice is served in order, in a second group."""
+        outcomes: list = []
+        info: PassInfo | None = None
+        group: list[Request] = []
+        for request in [*requests, None]:
+            if request is None or any(r.sid == request.sid for r in group):
+                out, group_info = self._run_group(group)
+                outcomes += out
+                info = info or group_info
+                group = []
+            if request is not None:
+                group.append(request)
+        return outcomes, info or self.last_pass
+
+    def _run_group(self, requests: Sequence[Request]) -> tuple[list, PassInfo | None]:
+        outcomes: list = [None] * len(requests)
+        verifies: list[tuple[int, Verify, _Session]] = []
+        prefills: list[tuple[int, _Session, list[int]]] = []
+        for i, req in enumerate(requests):
+            try:
+                if isinstance(req, Close):
+                    self.end(req.sid)
+                elif isinstance(req, Open):
+                    prefills.append((i, *self._open(req)))
+                else:
+                    verifies.append((i, req, self._checked(req)))
+            except Exception as e:
+                outcomes[i] = e
+        info = None
+        first = True
+        while first or any(todo for _, _, todo in prefills):
+            segments, owners = self._plan(verifies if first else [], prefills)
+            if not segments:
+                break
+            t0 = time.perf_counter()
+            try:
+                logits = self.forward(segments)
+            except Exception as e:
+                log.warning("forward pass failed: %s", e)
+                for i in owners:
+                    outcomes[i] = e
+                    if isinstance(requests[i], Open):
+                        self.end(requests[i].sid)
+                prefills = [p for p in prefills if p[0] not in owners]
+                verifies = [] if first else verifies
+                first = False
+                continue
+            ms = (time.perf_counter() - t0) * 1e3
+            self.forward_passes += 1
+            if first:
+                info = self._after_pass(segments, verifies, prefills, ms)
+                for (i, req, session), lg in zip(verifies, logits, strict=False):
+                    outcomes[i] = self._finish(req, session, lg, ms)
+            first = False
+        return outcomes, info
+
+    def _plan(self, verifies, prefills) -> tuple[list[Segment], set[int]]:
+        segments, owners = [], set()
+        for i, req, session in verifies:
+            segments.append(Segment(session.slot, req.tokens, want_logits=True))
+            owners.add(i)
+        budget = PREFILL_CHUNK
+        for i, session, todo in prefills:
+            if todo and budget > 0:
+                chunk = todo[:budget]
+                del todo[: len(chunk)]
+                budget -= len(chunk)
+                segments.append(Segment(session.slot, chunk, want_logits=False))
+                owners.add(i)
+        return segments, owners
+
+    def _after_pass(self, segments, verifies, prefills, ms: float) -> PassInfo:
+        rows = sum(len(s.tokens) for s in segments)
+        if verifies:
+            self.cost.observe(rows, ms)
+        spec = [req for _, req, s in verifies if s.params.speculative]
+        spec_rows = sum(len(req.tokens) for req in spec)
+        other = [req for _, req, s in verifies if not s.params.speculative]
+        hint = block_hint(
+            self.cost,
+            spec_sessions=len(spec),
+            other_rows=rows - spec_rows,
+            other_tokens=len(other),
+            alpha=self.acceptance.rate,
+            k_max=MAX_BLOCK,
+        )
+        self.last_pass = PassInfo(rows, len(segments), ms, hint)
+        return self.last_pass
+
+    def _finish(self, req: Verify, session: _Session, logits, pass_ms: float):
+        t0 = time.perf_counter()
+        drafts = list(req.tokens[1:])
         try:
-            logits = self._forward(session, tokens)  # [k + 1, V]
-            result = self._accept(session.params, base_len, logits, drafts, q)
-        except BaseException:
-            _crop(session, base_len - 1)  # a failed round leaves the session as it was
-            raise
+            result = self._accept(session.params, req.base_len, logits, drafts, req.q)
+        except Exception as e:
+            session.slot.length = req.base_len - 1  # a failed round leaves the session as it was
+            return e
         # Keep committed[:-1]: the old cache, the last committed token and the accepted drafts.
-        _crop(session, base_len + result.accepted)
+        session.slot.length = req.base_len + result.accepted
         session.last_used = time.monotonic()
-        return result
+        if session.params.speculative and drafts:
+            self.acceptance.observe(result.accepted, len(drafts))
+        if req.end:
+            self.end(req.sid)
+        return Verified(result, pass_ms + (time.perf_counter() - t0) * 1e3)
+
+    def _open(self, req: Open) -> tuple[_Session, list[int]]:
+        if not req.prompt:
+            raise ValueError("prompt must hold at least one token")
+        self._check_ids(req.prompt)
+        self.end(req.sid)
+        session = _Session(params=req.params, slot=self.forward.slots.open(req.sid))
+        self.sessions[req.sid] = session
+        return session, list(req.prompt[:-1])
+
+    def _checked(self, req: Verify) -> _Session:
+        session = self._get(req.sid)
+        if req.base_len != session.cache_len + 1:
+            raise ValueError(f"base_len {req.base_len} != committed_len {session.cache_len + 1}")
+        if not req.tokens:
+            raise ValueError("tokens must hold the last committed token")
+        self._check_ids(req.tokens)
+        k = len(req.tokens) - 1
+        if session.params.mode is Mode.REJECTION and len(req.q or ()) != k:
+            raise ValueError(f"rejection mode needs q for each of the {k} drafts")
+        return session
 
     def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
         if params.mode is Mode.GREEDY:
@@ -168,15 +336,26 @@ class TargetModel:
             return verify_rejection(p, drafts, q or [], rng)
         return verify_token_only(p, drafts, rng)
 
-    def end(self, sid: int) -> bool:
-        return self.sessions.pop(sid, None) is not None
+    def _timed_pass(self, rows: int) -> float:
+        scratch = -1  # never a Triton correlation id (those are unsigned)
+        slot = self.forward.slots.open(scratch)
+        try:
+            t0 = time.perf_counter()
+            self.forward([Segment(slot, [0] * rows, want_logits=True)])
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            self.forward.slots.free(scratch)
 
     def evict_idle(self, max_idle_s: float) -> list[int]:
         now = time.monotonic()
         stale = [sid for sid, s in self.sessions.items() if now - s.last_used > max_idle_s]
         for sid in stale:
-            del self.sessions[sid]
+            self.end(sid)
         return stale
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.forward.slots.bytes_held
 
     def _get(self, sid: int) -> _Session:
         try:

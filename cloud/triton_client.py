@@ -22,7 +22,15 @@ from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 MODEL_NAME = "target"
-_OUTPUTS = ("ACCEPTED", "TOKEN", "VERIFY_MS", "CACHE_LEN")
+_OUTPUTS = (
+    "ACCEPTED",
+    "TOKEN",
+    "VERIFY_MS",
+    "CACHE_LEN",
+    "BATCH_ROWS",
+    "BATCH_SESSIONS",
+    "BLOCK_HINT",
+)
 # Random base: a restarted gateway never reuses a live sequence id.
 _sequence_ids = itertools.count(secrets.randbits(62) + 1)
 
@@ -45,6 +53,9 @@ class VerifyReply:
     token: int
     verify_ms: float  # the model's forward pass + acceptance
     roundtrip_ms: float  # gateway -> Triton -> gateway
+    batch_rows: int = 0  # rows of the forward pass that served it (all sessions together)
+    batch_sessions: int = 0  # sessions in that pass
+    block_hint: int = 0  # the largest draft block the cloud wants now
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -63,6 +74,10 @@ def _q_tensors(q: Sequence[SparseDist]) -> list[grpcclient.InferInput]:
     return [_tensor("Q_IDS", ids, "INT64"), _tensor("Q_PROBS", probs, "FP32")]
 
 
+def _int(result, name: str) -> int:
+    return int(result.as_numpy(name).reshape(-1)[0])
+
+
 def _classify(error: Exception) -> Exception:
     msg = str(error)
     if "SESSION_NOT_FOUND" in msg or "must specify the START flag" in msg:
@@ -79,6 +94,7 @@ class TritonSession:
         self._queue: asyncio.Queue[dict | None] = asyncio.Queue()
         self._responses = None
         self._open = False
+        self.speculative = True
 
     async def _requests(self):
         while (item := await self._queue.get()) is not None:
@@ -107,7 +123,12 @@ class TritonSession:
         return result
 
     async def start(
-        self, prompt: Sequence[int], sampling: SamplingConfig, mode: Mode, seed: int
+        self,
+        prompt: Sequence[int],
+        sampling: SamplingConfig,
+        mode: Mode,
+        seed: int,
+        speculative: bool = True,
     ) -> None:
         inputs = [
             _tensor("TOKENS", np.asarray([prompt], dtype=np.int64), "INT64"),
@@ -116,7 +137,9 @@ class TritonSession:
             _tensor("TOP_P", np.array([[sampling.top_p]], np.float32), "FP32"),
             _tensor("SEED", np.array([[seed]], np.uint64), "UINT64"),
             _tensor("MODE", np.array([[int(mode)]], np.int32), "INT32"),
+            _tensor("SPECULATIVE", np.array([[int(speculative)]], np.int32), "INT32"),
         ]
+        self.speculative = speculative
         await self._call(inputs, start=True)
         self._open = True
 
@@ -133,17 +156,20 @@ class TritonSession:
         t0 = time.perf_counter()
         result = await self._call(inputs)
         return VerifyReply(
-            accepted=int(result.as_numpy("ACCEPTED").reshape(-1)[0]),
-            token=int(result.as_numpy("TOKEN").reshape(-1)[0]),
+            accepted=_int(result, "ACCEPTED"),
+            token=_int(result, "TOKEN"),
             verify_ms=float(result.as_numpy("VERIFY_MS").reshape(-1)[0]),
             roundtrip_ms=(time.perf_counter() - t0) * 1e3,
+            batch_rows=_int(result, "BATCH_ROWS"),
+            batch_sessions=_int(result, "BATCH_SESSIONS"),
+            block_hint=_int(result, "BLOCK_HINT"),
         )
 
     async def reopen(self, prompt: Sequence[int], sampling, mode, seed) -> None:
         """A fresh sequence holding ``prompt`` (the committed prefix) after SessionLost."""
         self.sequence_id = next(_sequence_ids)
         self._open = False
-        await self.start(prompt, sampling, mode, seed)
+        await self.start(prompt, sampling, mode, seed, self.speculative)
 
     async def close(self) -> None:
         """Frees the session's KV cache in Triton and ends the stream. Never raises."""

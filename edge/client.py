@@ -30,9 +30,9 @@ from specsplit.edge.drafting import (
     DEFAULT_Q_ENTRIES,
     Block,
     Drafter,
-    draft_block,
     generate_edge_only,
-    next_logits,
+    propose,
+    top_token,
 )
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
 from specsplit.shared.acceptance import Mode
@@ -66,6 +66,10 @@ class GenerationConfig:
     # stats.seed; give one to reproduce a run.
     seed: int | None = None
     draft_tokens: int = 4  # k
+    # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
+    # compute-bound). False keeps k fixed: seeded sampled runs then repeat exactly whatever the
+    # cloud's load (the output's distribution is the target's either way).
+    follow_hint: bool = True
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
@@ -299,14 +303,16 @@ class _Session:
         seq = self.committed if prefix is None else prefix
         rng = None if cfg.sampling.greedy else round_rng(self.seed, "draft", len(seq))
         t0 = time.perf_counter()
-        block = draft_block(drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
+        block = propose(drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3
 
     def _draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
         the bonus as the draft's top token and drafts the block after it."""
-        drafter = _Stoppable(self.drafter, stop)
-        guess = int(np.argmax(next_logits(drafter, seq)))
+        # A drafter with its own propose (the load benchmark's replay) does no forward passes.
+        own = hasattr(self.drafter, "propose")
+        drafter = self.drafter if own else _Stoppable(self.drafter, stop)
+        guess = top_token(drafter, seq)
         return guess, self._draft(k, [*seq, guess], drafter)[0]
 
     async def _split(self, started: pb.Started, first) -> AsyncIterator[list[int]]:
@@ -315,10 +321,11 @@ class _Session:
         mode = started.verification
         remaining = started.max_new_tokens
         round_no = 0
+        hint = k_max  # the cloud's largest wanted block, updated by every verdict
         while True:
             round_no += 1
             # A round emits up to k + 1 tokens: never draft past the length limit.
-            k = max(0, min(k_max, remaining - 1))
+            k = max(0, min(k_max, hint, remaining - 1))
             base_len = len(self.committed)
             if first is not None:  # drafted early (prefill, or the previous verdict in flight)
                 (block, draft_ms), first = first, None
@@ -330,7 +337,7 @@ class _Session:
             if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
                 draft.q.extend(sparse_to_pb(q) for q in block.q)
             await self._send(pb.ClientMessage(draft=draft))
-            k_next = max(0, min(k_max, remaining - (k + 1) - 1))
+            k_next = max(0, min(k_max, hint, remaining - (k + 1) - 1))
             ahead = None
             if cfg.draft_ahead and k > 0 and k_next > 0:
                 seq = [*self.committed, *block.tokens]
@@ -358,6 +365,11 @@ class _Session:
             stats.verify_ms.append(v.timings.verify_ms)
             stats.server_ms.append(v.timings.server_ms)
             stats.queue_ms.append(v.timings.queue_ms)
+            stats.batch_sessions.append(v.timings.batch_sessions)
+            stats.batch_rows.append(v.timings.batch_rows)
+            if cfg.follow_hint and v.HasField("max_draft_tokens_hint"):
+                hint = v.max_draft_tokens_hint
+                stats.block_hint.append(hint)
             yield chunk
             if v.finished:
                 return
@@ -370,6 +382,8 @@ class _Session:
             self.stats.rounds += 1
             self.stats.round_ms.append((now - t_prev) * 1e3)
             self.stats.verify_ms.append(v.timings.verify_ms)
+            self.stats.batch_sessions.append(v.timings.batch_sessions)
+            self.stats.batch_rows.append(v.timings.batch_rows)
             t_prev = now
             chunk = [v.token] if v.has_token else []
             self.committed += chunk

@@ -93,6 +93,30 @@ def draft_block(
     return Block(tokens=tokens, q=None if cfg.greedy else qs)
 
 
+def propose(
+    drafter: Drafter,
+    committed: Sequence[int],
+    k: int,
+    cfg: SamplingConfig,
+    rng: np.random.Generator | None,
+    q_entries: int = DEFAULT_Q_ENTRIES,
+) -> Block:
+    """The drafter's own ``propose`` when it has one (a replay of recorded blocks in the load
+    benchmark), else ``draft_block``."""
+    own = getattr(drafter, "propose", None)
+    if own is not None:
+        return own(committed, k, cfg, rng, q_entries)
+    return draft_block(drafter, committed, k, cfg, rng, q_entries)
+
+
+def top_token(drafter: Drafter, committed: Sequence[int]) -> int:
+    """The draft's most likely next token (the guessed bonus when drafting ahead)."""
+    own = getattr(drafter, "top_token", None)
+    if own is not None:
+        return own(committed)
+    return int(np.argmax(next_logits(drafter, committed)))
+
+
 def generate_edge_only(
     drafter: Drafter,
     prompt: Sequence[int],

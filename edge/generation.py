@@ -27,6 +27,9 @@ class GenerationStats:
     verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
     server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
     queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
+    block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
+    batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
+    batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
     token_times_s: list[float] = field(default_factory=list)  # commit time of each token
 
     @property

@@ -9,12 +9,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.shared.acceptance import Mode
-from specsplit.shared.sampling import SamplingConfig, logits_to_probs
+from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -47,7 +46,9 @@ def references(tiny):
 def test_greedy_split_equals_target_greedy(cloud, tiny, references, k, draft):
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
     for prompt in PROMPTS:
-        gen = run(generate(cloud.address, drafter, prompt, max_new_tokens=N_NEW, draft_tokens=k))
+        # k fixed (no hint): the invariants below are about blocks of exactly k drafts
+        cfg = dict(max_new_tokens=N_NEW, draft_tokens=k, follow_hint=False)
+        gen = run(generate(cloud.address, drafter, prompt, **cfg))
         s = gen.stats
         assert gen.token_ids == references["target"][tuple(prompt)], (prompt, k, draft)
         # Each round emits its accepted drafts plus one token (no stop truncates: k is clamped).
@@ -85,6 +86,7 @@ def test_sampling_same_seed_same_output(cloud, tiny, verification):
         draft_tokens=3,
         sampling=SamplingConfig(temperature=0.9),
         verification=verification,
+        follow_hint=False,  # the same blocks every run, whatever the cloud's measured load
     )
     a = run(generate(cloud.address, drafter, PROMPTS[0], seed=5, **cfg)).token_ids
     b = run(generate(cloud.address, drafter, PROMPTS[0], seed=5, **cfg)).token_ids
@@ -100,63 +102,18 @@ def test_sampling_without_seed_differs_and_reports_its_seed(cloud, tiny, mode):
     """No seed: the server picks one per request (so sampled requests differ) and reports it;
     sending that seed back reproduces the output."""
     drafter = OnnxDrafter(tiny.draft_onnx)
-    cfg = dict(max_new_tokens=N_NEW, draft_tokens=3, sampling=SamplingConfig(temperature=1.0))
+    cfg = dict(
+        max_new_tokens=N_NEW,
+        draft_tokens=3,
+        sampling=SamplingConfig(temperature=1.0),
+        follow_hint=False,  # a seed reproduces a run given the same blocks
+    )
     a = run(generate(cloud.address, drafter, PROMPTS[0], mode, **cfg))
     b = run(generate(cloud.address, drafter, PROMPTS[0], mode, **cfg))
     assert a.token_ids != b.token_ids
     assert a.stats.seed is not None and a.stats.seed != b.stats.seed
     again = run(generate(cloud.address, drafter, PROMPTS[0], mode, seed=a.stats.seed, **cfg))
     assert again.token_ids == a.token_ids and again.stats.seed == a.stats.seed
-
-
-def target_probs(tiny, prompt, cfg: SamplingConfig) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny.target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1].numpy()
-    return logits_to_probs(logits, cfg)
-
-
-@pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
-def test_first_token_follows_target_distribution(cloud, tiny, verification):
-    """N sessions with seeds 0..N-1 through the whole stack; chi-square of the first token.
-
-    The unrelated draft proposes one token per session (max_new_tokens=2 clamps k to 1), so the
-    first token is an accepted draft or a correction: both paths are exercised. top_k=6 keeps six
-    cells; every cell expects >= 5 draws (asserted). The threshold is chi2.isf(1e-6, df=5): a
-    correct stack fails with probability < 1e-6; draws outside the support fail outright.
-    """
-    n = 1200
-    cfg = SamplingConfig(temperature=1.5, top_k=6)
-    p = target_probs(tiny, PROMPTS[0], cfg)
-    drafter = OnnxDrafter(tiny.draft_onnx)
-
-    async def first_tokens():
-        out = []
-        async with SplitClient(cloud.address, drafter) as client:
-            for seed in range(n):
-                g = client.generate(
-                    PROMPTS[0],
-                    GenerationConfig(
-                        max_new_tokens=2,
-                        draft_tokens=1,
-                        sampling=cfg,
-                        seed=seed,
-                        verification=verification,
-                    ),
-                )
-                out.append((await g.collect())[0])
-        return out
-
-    counts = np.bincount(run(first_tokens()), minlength=p.size)
-    support = p > 0
-    assert counts[~support].sum() == 0, "first token outside the target's top-k support"
-    expected = p[support] * n
-    assert expected.min() >= 5
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    assert stat < stats.chi2.isf(1e-6, df=support.sum() - 1), (counts[support], expected)
 
 
 def test_concurrent_sessions_do_not_mix(cloud, tiny, references):

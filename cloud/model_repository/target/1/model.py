@@ -1,5 +1,9 @@
 """Triton Python backend shell over specsplit.cloud.target: gather -> compute -> scatter.
 
+Requests go to ``cloud.engine.BatchEngine``, which serves all that are waiting with one
+``TargetModel.run`` (one forward pass for every verification block and cloud-only step) and
+answers each through its response sender.
+
 Every failure is answered in the failing request's own response; the stub never dies for a bad
 request.
 """
@@ -7,12 +11,21 @@ request.
 import json
 import logging
 import os
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specsplit.cloud.target import SessionNotFound, SessionParams, TargetModel
+from specsplit.cloud.engine import BatchEngine
+from specsplit.cloud.target import (
+    Close,
+    Open,
+    PassInfo,
+    Request,
+    SessionNotFound,
+    SessionParams,
+    TargetModel,
+    Verify,
+)
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
@@ -33,16 +46,34 @@ def _array(request, name: str):
     return None if t is None else t.as_numpy()
 
 
-def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int):
+def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int, info):
+    def out(name, value, dtype):
+        return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))
+
     return pb_utils.InferenceResponse(
         output_tensors=[
-            pb_utils.Tensor("ACCEPTED", np.array([[accepted]], dtype=np.int32)),
-            pb_utils.Tensor("TOKEN", np.array([[token]], dtype=np.int64)),
-            pb_utils.Tensor("VERIFY_MS", np.array([[verify_ms]], dtype=np.float32)),
-            pb_utils.Tensor("CACHE_LEN", np.array([[cache_len]], dtype=np.int64)),
-            pb_utils.Tensor("SESSIONS", np.array([[sessions]], dtype=np.int64)),
+            out("ACCEPTED", accepted, np.int32),
+            out("TOKEN", token, np.int64),
+            out("VERIFY_MS", verify_ms, np.float32),
+            out("CACHE_LEN", cache_len, np.int64),
+            out("SESSIONS", sessions, np.int64),
+            out("BATCH_ROWS", info.rows, np.int32),
+            out("BATCH_SESSIONS", info.sessions, np.int32),
+            out("BLOCK_HINT", info.block_hint, np.int32),
         ]
     )
+
+
+def _send(sender, response) -> None:
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _error(e: Exception):
+    if isinstance(e, SessionNotFound):
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError(f"SESSION_NOT_FOUND: {e.args[0]}")
+        )
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
 
 
 def _sparse_q(request) -> list | None:
@@ -53,6 +84,29 @@ def _sparse_q(request) -> list | None:
     return [
         SparseDist(i[i >= 0], p[i >= 0].astype(np.float64)) for i, p in zip(ids, probs, strict=True)
     ]
+
+
+def _parse(request) -> Request:
+    sid = int(_scalar(request, "CORRID"))
+    tokens = _array(request, "TOKENS").reshape(-1).tolist()
+    if _scalar(request, "START", 0):
+        sampling = SamplingConfig(
+            temperature=float(_scalar(request, "TEMPERATURE", 0.0)),
+            top_k=int(_scalar(request, "TOP_K", 0)),
+            top_p=float(_scalar(request, "TOP_P", 1.0)),
+        )
+        params = SessionParams(
+            sampling,
+            Mode(int(_scalar(request, "MODE", int(Mode.GREEDY)))),
+            seed=int(_scalar(request, "SEED", 0)),
+            speculative=bool(_scalar(request, "SPECULATIVE", 1)),
+        )
+        return Open(sid, tokens, params)
+    end = bool(_scalar(request, "END", 0))
+    if end and not tokens:
+        return Close(sid)
+    base_len = int(_scalar(request, "BASE_LEN", -1))
+    return Verify(sid, base_len, tokens, _sparse_q(request), end=end)
 
 
 class TritonPythonModel:
@@ -76,54 +130,44 @@ class TritonPythonModel:
             )
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from e
+        self.engine = BatchEngine(self.target, idle_s=self.idle_s)
 
     def execute(self, requests):
-        self.target.evict_idle(self.idle_s)
-        responses = []
+        # gather -> the engine thread batches across execute() calls -> each request's response
+        # sender answers it (cloud.engine explains why Triton's own batches are not enough)
+        items = []
         for request in requests:
+            sender = request.get_response_sender()
             try:
-                responses.append(self._one(request))
-            except SessionNotFound as e:
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"SESSION_NOT_FOUND: {e.args[0]}")
-                    )
-                )
+                parsed = _parse(request)
             except Exception as e:  # one bad request never takes the model down
-                log.warning("request failed: %s", e)
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"{type(e).__name__}: {e}")
-                    )
-                )
-        return responses
+                log.warning("bad request: %s", e)
+                _send(sender, _error(e))
+                continue
+            items.append((parsed, self._responder(parsed, sender)))
+        self.engine.submit(items)
+        return None
 
-    def _one(self, request):
-        sid = int(_scalar(request, "CORRID"))
-        tokens = _array(request, "TOKENS").reshape(-1).tolist()
-        if _scalar(request, "START", 0):
-            t0 = time.perf_counter()
-            sampling = SamplingConfig(
-                temperature=float(_scalar(request, "TEMPERATURE", 0.0)),
-                top_k=int(_scalar(request, "TOP_K", 0)),
-                top_p=float(_scalar(request, "TOP_P", 1.0)),
-            )
-            mode = Mode(int(_scalar(request, "MODE", int(Mode.GREEDY))))
-            params = SessionParams(sampling, mode, seed=int(_scalar(request, "SEED", 0)))
-            self.target.start(sid, tokens, params)
-            ms = (time.perf_counter() - t0) * 1e3
-            return _response(0, -1, ms, len(tokens) - 1, len(self.target.sessions))
-        if _scalar(request, "END", 0) and not tokens:
-            self.target.end(sid)
-            return _response(0, -1, 0.0, 0, len(self.target.sessions))
-        t0 = time.perf_counter()
-        base_len = int(_scalar(request, "BASE_LEN", -1))
-        result = self.target.verify(sid, base_len, tokens, _sparse_q(request))
-        ms = (time.perf_counter() - t0) * 1e3
-        if _scalar(request, "END", 0):
-            self.target.end(sid)
-        sessions = len(self.target.sessions)
-        return _response(result.accepted, result.token, ms, base_len + result.accepted, sessions)
+    def _responder(self, request, sender):
+        def respond(outcome, info):
+            sessions = len(self.target.sessions)
+            if isinstance(outcome, Exception):
+                _send(sender, _error(outcome))
+            elif isinstance(request, Open):
+                cache_len = len(request.prompt) - 1
+                _send(sender, _response(0, -1, info.ms, cache_len, sessions, info))
+            elif isinstance(request, Close):
+                _send(sender, _response(0, -1, 0.0, 0, sessions, info or PassInfo()))
+            else:
+                r = outcome.result
+                cache_len = request.base_len + r.accepted
+                _send(
+                    sender,
+                    _response(r.accepted, r.token, outcome.verify_ms, cache_len, sessions, info),
+                )
+
+        return respond
 
     def finalize(self):
+        self.engine.stop()
         self.target.sessions.clear()

@@ -1,0 +1,59 @@
+"""The cost curve and the block-size hint, with synthetic measurements."""
+
+import pytest
+
+from specsplit.cloud.capacity import Acceptance, CostModel, block_hint, expected_tokens
+
+
+def curve(fn, rows=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> CostModel:
+    cost = CostModel()
+    for r in rows:
+        cost.observe(r, fn(r))
+    return cost
+
+
+def test_cost_interpolates_and_extrapolates():
+    cost = curve(lambda r: 100 + 2 * r)
+    assert cost.cost(1) == pytest.approx(102)
+    assert cost.cost(24) == pytest.approx(148)
+    assert cost.cost(512) == pytest.approx(1124)
+
+
+def test_one_stalled_pass_does_not_move_the_curve():
+    cost = curve(lambda r: 10.0)
+    for _ in range(4):
+        cost.observe(8, 10.0)
+    cost.observe(8, 5000.0)
+    assert cost.cost(8) == pytest.approx(10.0)
+
+
+def test_flat_cost_hints_the_largest_block():
+    cost = curve(lambda r: 100.0)
+    assert block_hint(cost, 32, 0, 0, alpha=0.7, k_max=16) == 16
+
+
+def test_compute_bound_batch_gets_shorter_blocks():
+    cost = curve(lambda r: 20 + 4 * r)
+    one = block_hint(cost, 1, 0, 0, alpha=0.8, k_max=16)
+    many = block_hint(cost, 32, 0, 0, alpha=0.8, k_max=16)
+    assert many < one
+    # Low acceptance shortens blocks further: each extra draft is less likely to pay.
+    assert block_hint(cost, 32, 0, 0, alpha=0.3, k_max=16) <= many
+
+
+def test_hint_is_never_worse_than_no_speculation():
+    cost = curve(lambda r: r)  # purely compute-bound: every row costs the same
+    k = block_hint(cost, 8, 0, 0, alpha=0.5, k_max=8)
+    rate = lambda k: 8 * expected_tokens(0.5, k) / cost.cost(8 * (k + 1))  # noqa: E731
+    assert rate(k) >= 0.95 * max(rate(j) for j in range(9))
+    assert rate(k) >= 0.95 * rate(0)
+
+
+def test_acceptance_estimate_follows_rounds():
+    acc = Acceptance()
+    for _ in range(300):
+        acc.observe(3, 4)  # 3 accepted then a rejection: a = 3/4
+    assert acc.rate == pytest.approx(0.75, abs=0.01)
+    for _ in range(300):
+        acc.observe(4, 4)
+    assert acc.rate > 0.95
