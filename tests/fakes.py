@@ -26,7 +26,7 @@ class FakeTriton:
         self.sequence_id = 1
         self.seeds: list[int] = []
 
-    async def start(self, prompt, sampling, mode, seed: int) -> None:
+    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
         self.seeds.append(seed)
 
     async def reopen(self, prompt, sampling, mode, seed: int) -> None:
