@@ -8,8 +8,11 @@ import contextlib
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
+from specsplit.cloud.limits import Limits
+from specsplit.cloud.security import Security, load_tokens
 from specsplit.cloud.triton import TritonError, TritonServer
 from specsplit.shared.sources import TARGET_DEFAULT, SourceError, resolve_model
 
@@ -32,7 +35,29 @@ async def _start_triton(triton: TritonServer, stop: asyncio.Event) -> bool:
     return False
 
 
+def _security(args: argparse.Namespace) -> Security:
+    security = Security(
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        tokens=load_tokens(args.auth_tokens) if args.auth_tokens else None,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and security.tls_cert is None:
+        log.warning("serving %s without TLS: use --tls-cert/--tls-key on a public port", args.host)
+    return security
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(
+        max_sessions=args.max_sessions,
+        start_timeout_s=args.start_deadline,
+        idle_timeout_s=args.idle_timeout,
+        max_message_bytes=args.max_message_bytes,
+    )
+
+
 async def serve(args: argparse.Namespace) -> int:
+    security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.model_name)
     stop = asyncio.Event()
@@ -52,7 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
         triton_url = triton.url
     try:
         server, port, service = await start_gateway(
-            triton_url, identity, args.host, args.port, args.max_sessions
+            triton_url, identity, args.host, args.port, limits=limits, security=security
         )
         print(
             f"specsplit-cloud ready on {args.host}:{port} "
@@ -89,7 +114,35 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="target precision (auto: float32 on CPU, bfloat16 on GPU)",
     )
-    s.add_argument("--max-sessions", type=int, default=64)
+    s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
+    s.add_argument(
+        "--start-deadline",
+        type=float,
+        default=10.0,
+        help="seconds a new stream may take to send its Start (default 10)",
+    )
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a split stream may stay silent between rounds (default 60)",
+    )
+    s.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest client message accepted (default 1 MiB)",
+    )
+    s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
+    s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    s.add_argument(
+        "--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)"
+    )
+    s.add_argument(
+        "--auth-tokens",
+        type=Path,
+        help="file of bearer tokens, one a line (# comments): calls must carry one",
+    )
     s.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for Triton"
     )

@@ -9,24 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specsplit.cloud.identity import ModelIdentity
+from specsplit.cloud.lease import Lease
+from specsplit.cloud.limits import (
+    Limits,
+    before_refusing,
+    check_verification,
+    decode_client_message,
+    next_message,
+    sampling_config,
+)
+from specsplit.cloud.security import Security
 from specsplit.cloud.session import (
     Code,
     Commit,
     Finish,
-    ModelLimits,
     ProtocolError,
     Session,
     check_ids,
@@ -45,57 +52,27 @@ from specsplit.shared.protocol import (
     SERVICE_NAME,
     pb,
     pb_grpc,
-    sampling_config,
     sparse_from_pb,
 )
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    name: str
-    architecture: str
-    limits: ModelLimits
-    tokenizer_digest: str
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, name: str | None = None) -> ModelIdentity:
-        """Reads what clients must know from a Hugging Face model directory."""
-        d = Path(model_dir)
-        config = json.loads((d / "config.json").read_text())
-        eos = config.get("eos_token_id")
-        gen = d / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        tok = d / "tokenizer.json"
-        digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.exists() else ""
-        limits = ModelLimits(
-            vocab_size=int(config["vocab_size"]),
-            max_context=int(config.get("max_position_embeddings", 4096)),
-            eos_token_ids=eos_ids,
-        )
-        return cls(name or d.name, config.get("model_type", ""), limits, digest)
-
-    def to_pb(self) -> pb.ModelInfo:
-        return pb.ModelInfo(
-            name=self.name,
-            architecture=self.architecture,
-            vocab_size=self.limits.vocab_size,
-            eos_token_ids=list(self.limits.eos_token_ids),
-            tokenizer_digest=self.tokenizer_digest,
-        )
-
-
 _STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
 
 
 class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
-    def __init__(self, triton_url: str, model: ModelIdentity, max_sessions: int = 64):
+    def __init__(
+        self,
+        triton_url: str,
+        model: ModelIdentity,
+        limits: Limits | None = None,
+        session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
+    ):
         self.triton_url = triton_url
+        self.session_factory = session_factory  # tests pass fakes
         self.model = model
-        self.max_sessions = max_sessions
+        self.limits = limits or Limits()
         self.active = 0
         self._client: aioclient.InferenceServerClient | None = None
         self._closing: set[asyncio.Task] = set()
@@ -115,23 +92,35 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if self._client is not None:
             await self._client.close()
 
-    def _release(self, triton: TritonSession) -> None:
+    def _release(self, lease: Lease) -> None:
         # Freeing the Triton session runs in its own task: a client that cancels the call right
         # after Finished (or mid-generation) cancels this handler, and must not leak the KV cache.
-        task = asyncio.create_task(triton.close())
+        task = asyncio.create_task(lease.release())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
-        if self.active >= self.max_sessions:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server at its session limit")
+        if self.active >= self.limits.max_sessions:
+            await before_refusing(request_iterator)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server at its limit of {self.limits.max_sessions} sessions; retry in a few "
+                "seconds, or on another replica",
+            )
         self.active += 1
-        triton = TritonSession(self.client)
+        triton = Lease(self.client, self.session_factory(self.client))
         try:
             async for msg in self._generate(request_iterator, triton):
                 yield msg
         except ProtocolError as e:
             await context.abort(_STATUS[e.code], e.message)
+        except SessionLost as e:  # lost again right after a re-open: Triton is restarting
+            log.warning("session lost twice in one round: %s", e)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "inference server lost the session twice in one round; "
+                "retry with the committed sequence as the prompt",
+            )
         except TritonUnavailable as e:
             log.warning("inference server unavailable: %s", e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "inference server unavailable")
@@ -142,9 +131,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             self.active -= 1
             self._release(triton)
 
-    async def _generate(self, requests, triton: TritonSession):
+    async def _generate(self, requests, triton: Lease):
         it = requests.__aiter__()
-        first = await anext(it, None)
+        first = await next_message(it, self.limits.start_timeout_s, "Start")
         if first is None:
             return
         if first.WhichOneof("msg") != "start":
@@ -192,8 +181,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             )
         if start.sampling.max_new_tokens < 1:
             raise ProtocolError(Code.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
+        check_verification(start.verification)
+        sampling = sampling_config(start.sampling, limits.vocab_size)
         try:
-            sampling = sampling_config(start.sampling)
             requested = PB_TO_MODE.get(start.verification)
             mode = resolve_mode(requested, sampling.temperature, has_q=True)
         except ValueError as e:
@@ -203,7 +193,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             prompt=prompt,
             sampling=sampling,
             mode=mode,
-            seed=start.sampling.seed,
+            # Absent: a fresh random seed per request, returned in Started.
+            seed=start.sampling.seed if start.sampling.HasField("seed") else secrets.randbits(63),
             max_new_tokens=min(start.sampling.max_new_tokens, limits.max_context - len(prompt)),
             stop_ids=frozenset(start.sampling.stop_token_ids),
         )
@@ -222,10 +213,12 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             verification=MODE_TO_PB[session.mode],
             committed_len=session.committed_len,
             max_new_tokens=session.max_new_tokens,
+            seed=session.seed,
         )
 
-    async def _speculative(self, session: Session, triton: TritonSession, it):
-        async for msg in it:
+    async def _speculative(self, session: Session, triton: Lease, it):
+        idle_s = self.limits.idle_timeout_s
+        while (msg := await next_message(it, idle_s, "Draft or Finish")) is not None:
             kind = msg.WhichOneof("msg")
             if kind == "finish":
                 session.finish = Finish.CANCELLED
@@ -242,26 +235,37 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             if session.finish is not Finish.NONE:
                 return
 
-    async def _cloud_only(self, session: Session, triton: TritonSession, it):
+    async def _cloud_only(self, session: Session, triton: Lease, it):
         # Watch the client stream for Finish while the target generates alone.
         # A plain half-close is fine; only an explicit Finish cancels; a Draft is refused.
-        refused: list[str] = []
+        # The watcher only raises a flag: a round in flight commits (and may set a stop reason),
+        # and the Finish takes effect before the next round, so neither overwrites the other.
+        refused: list[ProtocolError] = []
+        stop = asyncio.Event()
 
         async def watch() -> None:
-            async for msg in it:
+            try:  # the client may stay silent for the whole generation: no idle timeout here
+                msg = await next_message(it, None, "Finish")
+            except ProtocolError as e:
+                refused.append(e)
+                msg = None
+            if msg is not None and msg.WhichOneof("msg") != "finish":
                 kind = msg.WhichOneof("msg")
-                if kind != "finish":
-                    refused.append(f"{kind} on a cloud_only stream")
-                if session.finish is Finish.NONE:
-                    session.finish = Finish.CANCELLED
-                return
+                refused.append(
+                    ProtocolError(Code.FAILED_PRECONDITION, f"{kind} on a cloud_only stream")
+                )
+            if msg is not None or refused:
+                stop.set()
 
         watcher = asyncio.create_task(watch())
         try:
             while session.finish is Finish.NONE:
+                if stop.is_set():
+                    session.finish = Finish.CANCELLED
+                    break
                 yield await self._round(session, triton, [], None, time.perf_counter())
             if refused:
-                raise ProtocolError(Code.FAILED_PRECONDITION, refused[0])
+                raise refused[0]
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -288,7 +292,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             qs.append(q)
         return qs
 
-    async def _round(self, session, triton, drafts, q, t0) -> pb.Verdict:
+    async def _round(self, session, triton: Lease, drafts, q, t0) -> pb.Verdict:
         tokens = [session.committed[-1], *drafts]
         try:
             reply = await triton.verify(session.committed_len, tokens, q)
@@ -321,21 +325,39 @@ async def start_gateway(
     model: ModelIdentity,
     host: str = "127.0.0.1",
     port: int = 0,
-    max_sessions: int = 64,
+    limits: Limits | None = None,
+    security: Security | None = None,
+    session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
     """Starts the gateway; returns (server, bound port, service). Port 0 picks a free port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    service = SpeculativeService(triton_url, model, max_sessions)
-    pb_grpc.add_SpeculativeDecodingServicer_to_server(service, server)
+    limits, security = limits or Limits(), security or Security()
+    server = grpc.aio.server(interceptors=security.interceptors(), options=limits.server_options())
+    service = SpeculativeService(triton_url, model, limits, session_factory)
+    server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
     await _update_health(service, health_servicer)  # known before anyone is told we are ready
     service.health_task = asyncio.create_task(_watch_health(service, health_servicer))
     return server, bound, service
+
+
+def _handlers(service: SpeculativeService) -> grpc.GenericRpcHandler:
+    # The generated add_..._to_server would decode with ClientMessage.FromString, whose
+    # DecodeError grpc reports as UNKNOWN; ours hands the servicer a marker instead.
+    generate = grpc.stream_stream_rpc_method_handler(
+        service.Generate,
+        request_deserializer=decode_client_message,
+        response_serializer=pb.ServerMessage.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": generate})
 
 
 async def _update_health(service: SpeculativeService, servicer, timeout_s: float = 2.0) -> None:

@@ -23,6 +23,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     UNAVAILABLE = "UNAVAILABLE"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 
 
 class ProtocolError(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,7 +77,15 @@ async def _generate(args) -> int:
 
         drafter = OnnxDrafter(draft_dir, threads=args.threads)
     server = None if args.mode == "edge-only" else args.server
-    async with SplitClient(server, drafter) as client:
+    async with SplitClient(
+        server,
+        drafter,
+        tls=args.tls,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token=args.token,
+    ) as client:
         gen = client.generate(prompt, config, mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
         async for chunk in gen:
@@ -131,6 +140,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text (split, cloud-only or edge-only)")
     g.add_argument("--server", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    g.add_argument("--tls", action="store_true", help="connect with TLS (the system's CA roots)")
+    g.add_argument("--tls-ca", help="PEM CA of the server's certificate (implies --tls)")
+    g.add_argument("--tls-cert", help="PEM client certificate, for a server that requires mTLS")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--token",
+        default=os.environ.get("SPECSPLIT_TOKEN"),
+        help="bearer token for the gateway (default: $SPECSPLIT_TOKEN)",
+    )
     _add_draft_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenised with the draft's tokenizer)")
@@ -144,7 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
+    )
     g.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per round")
     g.add_argument("--verification", choices=tuple(VERIFICATION), default="auto")
     g.add_argument("--mode", choices=MODES, default="split")

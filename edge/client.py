@@ -14,13 +14,18 @@ place, and raised as ``SpecsplitError`` with the status code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import secrets
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import grpc
+import numpy as np
 
+from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import (
     DEFAULT_Q_ENTRIES,
     Block,
@@ -29,6 +34,7 @@ from specsplit.edge.drafting import (
     propose,
     top_token,
 )
+from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.protocol import (
     MODE_TO_PB,
@@ -42,6 +48,7 @@ from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.seeding import round_rng
 
 MODES = ("split", "cloud-only", "edge-only")
+T = TypeVar("T")
 
 
 class SpecsplitError(RuntimeError):
@@ -55,7 +62,9 @@ class SpecsplitError(RuntimeError):
 class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
-    seed: int = 0
+    # None: the server picks a seed per request (edge-only: the edge does) and reports it in
+    # stats.seed; give one to reproduce a run.
+    seed: int | None = None
     draft_tokens: int = 4  # k
     # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
     # compute-bound). False keeps k fixed: seeded sampled runs then repeat exactly whatever the
@@ -71,85 +80,28 @@ class GenerationConfig:
     draft_ahead: bool = True
 
 
-@dataclass
-class GenerationStats:
-    mode: str
-    new_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_forward_passes: int = 0
-    wall_s: float = 0.0
-    ttft_s: float | None = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    ahead_hits: int = 0  # rounds whose block was drafted while the previous verdict was in flight
-    finish: str = ""
-    draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge
-    round_ms: list[float] = field(default_factory=list)  # per round, send -> verdict
-    verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
-    server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
-    queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
-    block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
-    batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
-    batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
-    token_times_s: list[float] = field(default_factory=list)  # commit time of each token
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s else 0.0
-
-    def summary(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
-        d.update(
-            acceptance_rate=self.acceptance_rate,
-            tokens_per_round=self.tokens_per_round,
-            tokens_per_s=self.tokens_per_s,
-        )
-        return d
-
-
-class Generation:
-    """Async iterable of committed token chunks; ``stats`` and ``token_ids`` fill in as it runs."""
-
-    def __init__(self, chunks: AsyncIterator[list[int]], stats: GenerationStats):
-        self._chunks = chunks
-        self.stats = stats
-        self.token_ids: list[int] = []
-
-    async def __aiter__(self):
-        t0 = time.perf_counter()
-        try:
-            async for chunk in self._chunks:
-                now = time.perf_counter() - t0
-                if chunk and self.stats.ttft_s is None:
-                    self.stats.ttft_s = now
-                self.stats.token_times_s += [now] * len(chunk)
-                self.token_ids += chunk
-                self.stats.new_tokens = len(self.token_ids)
-                yield chunk
-        finally:
-            self.stats.wall_s = time.perf_counter() - t0
-
-    async def collect(self) -> list[int]:
-        async for _ in self:
-            pass
-        return self.token_ids
-
-
 class SplitClient:
-    def __init__(self, address: str | None, drafter: Drafter | None = None):
+    """A connection to a gateway. TLS when ``tls`` is true or any tls_* file is given;
+    ``token`` is sent as ``authorization: Bearer <token>`` on every call."""
+
+    def __init__(
+        self,
+        address: str | None,
+        drafter: Drafter | None = None,
+        *,
+        tls: bool = False,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        token: str | None = None,
+    ):
         self.address = address
         self.drafter = drafter
-        self._channel = grpc.aio.insecure_channel(address) if address else None
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._channel = None
+        if address:
+            tls_files = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+            self._channel = open_channel(address, tls=tls, **tls_files)
         self._stub = pb_grpc.SpeculativeDecodingStub(self._channel) if self._channel else None
 
     async def __aenter__(self) -> SplitClient:
@@ -184,7 +136,8 @@ class SplitClient:
         return Generation(self._with_retries(list(prompt_ids), cfg, stats, mode), stats)
 
     async def _edge_only(self, prompt, cfg, stats) -> AsyncIterator[list[int]]:
-        rng = round_rng(cfg.seed, "edge-only", len(prompt))
+        stats.seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
+        rng = round_rng(stats.seed, "edge-only", len(prompt))
         tokens = generate_edge_only(
             self.drafter, prompt, cfg.sampling, cfg.max_new_tokens, rng, frozenset(cfg.stop_ids)
         )
@@ -206,7 +159,11 @@ class SplitClient:
         attempts = 0
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
-            session = _Session(self._stub, self.drafter, cfg, stats, committed, remaining)
+            # A re-open sends the seed the first Started reported: sampling resumes unchanged.
+            session = _Session(
+                self._stub, self.drafter, cfg, stats, committed, remaining, stats.seed
+            )
+            session.metadata = self.metadata
             try:
                 async for chunk in session.run(cloud_only=mode == "cloud-only"):
                     committed += chunk
@@ -222,14 +179,68 @@ class SplitClient:
                 await session.close()
 
 
+class _Stopped(Exception):
+    """The draft-ahead worker was told to stop (its generation ended)."""
+
+
+class _Stoppable:
+    """The drafter as the draft-ahead worker sees it: each forward pass first checks ``stop``."""
+
+    def __init__(self, drafter: Drafter, stop: threading.Event):
+        self._drafter, self._stop = drafter, stop
+        self.vocab_size, self.eos_token_ids = drafter.vocab_size, drafter.eos_token_ids
+
+    @property
+    def cached(self) -> list[int]:
+        return self._drafter.cached
+
+    def truncate(self, n: int) -> None:
+        self._drafter.truncate(n)
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        if self._stop.is_set():
+            raise _Stopped
+        return self._drafter.forward(tokens)
+
+
+class _Worker:
+    """``fn(*args, stop)`` in a thread. Its future is only ever awaited through a shield, so a
+    cancelled await never detaches the thread: ``join`` stops it at the next forward pass and
+    returns once it has left the drafter, even when cancelled meanwhile."""
+
+    def __init__(self, fn: Callable[..., T], *args):
+        self.stop = threading.Event()
+        self.future = asyncio.get_running_loop().run_in_executor(None, fn, *args, self.stop)
+
+    async def result(self) -> T:
+        return await asyncio.shield(self.future)
+
+    async def join(self) -> None:
+        self.stop.set()
+        cancelled = False
+        while not self.future.done():
+            try:
+                await asyncio.shield(self.future)
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception:
+                pass
+        if cancelled:
+            raise asyncio.CancelledError
+
+
 class _Session:
     """One stream: Start, then rounds until a finished Verdict."""
 
-    def __init__(self, stub, drafter, cfg: GenerationConfig, stats, committed, max_new_tokens):
+    def __init__(
+        self, stub, drafter, cfg: GenerationConfig, stats, committed, max_new_tokens, seed
+    ):
         self.stub, self.drafter, self.cfg, self.stats = stub, drafter, cfg, stats
         self.committed = list(committed)  # own copy: the caller extends its list from chunks
         self.max_new_tokens = max_new_tokens
+        self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
         self.call = None
+        self.metadata = None  # the call's metadata (the bearer token)
 
     async def _send(self, msg: pb.ClientMessage) -> None:
         self.stats.bytes_up += msg.ByteSize()
@@ -246,19 +257,24 @@ class _Session:
 
     async def run(self, cloud_only: bool) -> AsyncIterator[list[int]]:
         cfg = self.cfg
-        self.call = self.stub.Generate()
+        self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
             protocol_version=PROTOCOL_VERSION,
             model=cfg.model,
             prompt_ids=self.committed,
-            sampling=sampling_params(cfg.sampling, cfg.seed, self.max_new_tokens, cfg.stop_ids),
+            sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
             verification=MODE_TO_PB.get(cfg.verification, 0),
             cloud_only=cloud_only,
         )
         await self._send(pb.ClientMessage(start=start))
-        # Draft the first block (the draft's own prefill included) while the cloud prefills.
-        first = None if cloud_only else self._draft(min(cfg.draft_tokens, self.max_new_tokens - 1))
+        # Draft the first block (the draft's own prefill included) while the cloud prefills;
+        # a sampled draft needs the seed first, which Started brings when we sent none.
+        early = not cloud_only and (self.seed is not None or cfg.sampling.greedy)
+        first = self._draft(min(cfg.draft_tokens, self.max_new_tokens - 1)) if early else None
         started = await self._recv("started")
+        self.seed = self.stats.seed = started.seed
+        if not cloud_only and first is None:
+            first = self._draft(min(cfg.draft_tokens, started.max_new_tokens - 1))
         if not cloud_only:
             self._check_pair(started.model)
         rounds = self._cloud_only() if cloud_only else self._split(started, first)
@@ -277,31 +293,27 @@ class _Session:
                 f"{model.name!r} ({model.vocab_size}): not a matching draft model",
             )
 
-    def _draft(self, k: int, prefix: list[int] | None = None) -> tuple[Block, float]:
+    def _draft(
+        self, k: int, prefix: list[int] | None = None, drafter: Drafter | None = None
+    ) -> tuple[Block, float]:
         """A block of k tokens after ``prefix`` (default: the committed prefix), and the time it
         took (ms). The generator depends only on the prefix length, so a block drafted ahead for
         a guessed prefix equals the one drafted after the verdict confirms it."""
         cfg = self.cfg
         seq = self.committed if prefix is None else prefix
-        rng = round_rng(cfg.seed, "draft", len(seq))
+        rng = None if cfg.sampling.greedy else round_rng(self.seed, "draft", len(seq))
         t0 = time.perf_counter()
-        block = propose(self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
+        block = propose(drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
         return block, (time.perf_counter() - t0) * 1e3
 
-    def _draft_ahead(self, seq: list[int], k: int) -> tuple[int, Block]:
+    def _draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
         the bonus as the draft's top token and drafts the block after it."""
-        guess = top_token(self.drafter, seq)
-        return guess, self._draft(k, [*seq, guess])[0]
-
-    async def _verdict(self, ahead) -> pb.Verdict:
-        try:
-            return await self._recv("verdict")
-        except BaseException:
-            if ahead is not None:  # the drafter must be idle before anyone else touches it
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(ahead)
-            raise
+        # A drafter with its own propose (the load benchmark's replay) does no forward passes.
+        own = hasattr(self.drafter, "propose")
+        drafter = self.drafter if own else _Stoppable(self.drafter, stop)
+        guess = top_token(drafter, seq)
+        return guess, self._draft(k, [*seq, guess], drafter)[0]
 
     async def _split(self, started: pb.Started, first) -> AsyncIterator[list[int]]:
         cfg, stats = self.cfg, self.stats
@@ -329,17 +341,19 @@ class _Session:
             ahead = None
             if cfg.draft_ahead and k > 0 and k_next > 0:
                 seq = [*self.committed, *block.tokens]
-                ahead = asyncio.get_running_loop().run_in_executor(
-                    None, self._draft_ahead, seq, k_next
-                )
-            v = await self._verdict(ahead)
-            t2 = time.perf_counter()
-            if ahead is not None:
-                guess, next_block = await ahead
-                waited_ms = (time.perf_counter() - t2) * 1e3
-                if v.accepted == k and v.has_token and v.token == guess and not v.finished:
-                    first = (next_block, waited_ms)  # only the wait is on the critical path
-                    stats.ahead_hits += 1
+                ahead = _Worker(self._draft_ahead, seq, k_next)
+            try:
+                v = await self._recv("verdict")
+                t2 = time.perf_counter()
+                if ahead is not None:
+                    guess, next_block = await ahead.result()
+                    waited_ms = (time.perf_counter() - t2) * 1e3
+                    if v.accepted == k and v.has_token and v.token == guess and not v.finished:
+                        first = (next_block, waited_ms)  # only the wait is on the critical path
+                        stats.ahead_hits += 1
+            finally:
+                if ahead is not None:  # the drafter must be idle before anyone else touches it
+                    await ahead.join()
             chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
             self.committed += chunk
             remaining -= len(chunk)

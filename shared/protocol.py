@@ -32,18 +32,10 @@ MODE_TO_PB = {
 PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
 
 
-def sampling_config(params: pb.SamplingParams) -> SamplingConfig:
-    """Raises ValueError for out-of-range values. top_p 0 is read as 1 (proto3 default)."""
-    return SamplingConfig(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p if params.top_p > 0 else 1.0,
-    )
-
-
 def sampling_params(
-    cfg: SamplingConfig, seed: int, max_new_tokens: int, stop_ids: Sequence[int] = ()
+    cfg: SamplingConfig, seed: int | None, max_new_tokens: int, stop_ids: Sequence[int] = ()
 ) -> pb.SamplingParams:
+    """seed None leaves the field absent: the server picks one and returns it in Started."""
     return pb.SamplingParams(
         temperature=cfg.temperature,
         top_k=cfg.top_k,

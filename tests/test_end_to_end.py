@@ -97,6 +97,25 @@ def test_sampling_same_seed_same_output(cloud, tiny, verification):
     assert len(a) == N_NEW
 
 
+@pytest.mark.parametrize("mode", ["split", "cloud-only", "edge-only"])
+def test_sampling_without_seed_differs_and_reports_its_seed(cloud, tiny, mode):
+    """No seed: the server picks one per request (so sampled requests differ) and reports it;
+    sending that seed back reproduces the output."""
+    drafter = OnnxDrafter(tiny.draft_onnx)
+    cfg = dict(
+        max_new_tokens=N_NEW,
+        draft_tokens=3,
+        sampling=SamplingConfig(temperature=1.0),
+        follow_hint=False,  # a seed reproduces a run given the same blocks
+    )
+    a = run(generate(cloud.address, drafter, PROMPTS[0], mode, **cfg))
+    b = run(generate(cloud.address, drafter, PROMPTS[0], mode, **cfg))
+    assert a.token_ids != b.token_ids
+    assert a.stats.seed is not None and a.stats.seed != b.stats.seed
+    again = run(generate(cloud.address, drafter, PROMPTS[0], mode, seed=a.stats.seed, **cfg))
+    assert again.token_ids == a.token_ids and again.stats.seed == a.stats.seed
+
+
 def test_concurrent_sessions_do_not_mix(cloud, tiny, references):
     # One drafter per generation: a drafter's KV cache belongs to one sequence.
     async def three():

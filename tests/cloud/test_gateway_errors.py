@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -121,6 +123,31 @@ CASES = {
         grpc.StatusCode.FAILED_PRECONDITION,
         "cloud_only",
     ),
+    "infinite temperature": (
+        [start(sampling=pb.SamplingParams(temperature=float("inf"), max_new_tokens=4))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    "temperature that overflows the logits": (
+        [start(sampling=pb.SamplingParams(temperature=1e-30, max_new_tokens=4))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    "nan top_p": (
+        [start(sampling=pb.SamplingParams(temperature=0.8, top_p=float("nan"), max_new_tokens=4))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_p",
+    ),
+    "unknown verification mode": (
+        [start(verification=7)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "verification mode",
+    ),
+    "prompt fills max_context": (
+        [start(prompt=[1] * 1024)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_context",
+    ),
 }
 
 
@@ -168,3 +195,51 @@ def test_triton_down_gives_unavailable(tiny, tmp_path):
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
             )
         assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_finish_in_cloud_only_is_not_overwritten(cloud):
+    """An explicit Finish ends a cloud_only stream as CANCELLED, however a round is in flight."""
+
+    async def run() -> list[pb.ServerMessage]:
+        async with grpc.aio.insecure_channel(cloud.address) as channel:
+            call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=60)
+            await call.write(start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_only=True))
+            out = [await call.read(), await call.read()]  # Started, a first Verdict
+            await call.write(pb.ClientMessage(finish=pb.Finish()))
+            await call.done_writing()
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                out.append(msg)
+            return out
+
+    out = asyncio.run(run())
+    verdicts = [m.verdict for m in out if m.WhichOneof("msg") == "verdict"]
+    assert out[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+    assert len(verdicts) < 400 and not any(v.finished for v in verdicts)
+
+
+def test_top_k_beyond_the_vocabulary_means_no_truncation(cloud):
+    """top_k >= vocab_size keeps every token (read as 0); it used to wrap to a negative int32."""
+    big = pb.SamplingParams(temperature=0.8, top_k=2**31, max_new_tokens=4, seed=1)
+    none = pb.SamplingParams(temperature=0.8, top_k=0, max_new_tokens=4, seed=1)
+    token_only = pb.VERIFICATION_MODE_TOKEN_ONLY
+    a = exchange(cloud.address, [start(sampling=big, verification=token_only), draft(3, [5])])
+    b = exchange(cloud.address, [start(sampling=none, verification=token_only), draft(3, [5])])
+    assert a[-1].finished == b[-1].finished and a[1].verdict.token == b[1].verdict.token
+    greedy = pb.SamplingParams(top_k=2**32 - 1, max_new_tokens=4)
+    assert exchange(cloud.address, [start(sampling=greedy)])[0].WhichOneof("msg") == "started"
+
+
+def test_max_new_tokens_is_capped_to_max_context(cloud):
+    huge = pb.SamplingParams(max_new_tokens=2**32 - 1)
+    out = exchange(cloud.address, [start(sampling=huge), pb.ClientMessage(finish=pb.Finish())])
+    assert out[0].started.max_new_tokens == out[0].started.limits.max_context - 3
+
+
+@pytest.mark.parametrize("first", [b"\xff", start().SerializeToString()])
+def test_undecodable_payload_is_invalid_argument(cloud, first):
+    with grpc.insecure_channel(cloud.address) as channel:
+        generate = channel.stream_stream("/specsplit.v1.SpeculativeDecoding/Generate")
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(iter([first, b"\xff"]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert_still_serving(cloud.address)

@@ -1,0 +1,82 @@
+"""What a generation hands its caller: committed chunks as they arrive, and its statistics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_forward_passes: int = 0
+    wall_s: float = 0.0
+    ttft_s: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    ahead_hits: int = 0  # rounds whose block was drafted while the previous verdict was in flight
+    finish: str = ""
+    seed: int | None = None  # the seed in force (the server's pick when none was given)
+    draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge
+    round_ms: list[float] = field(default_factory=list)  # per round, send -> verdict
+    verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
+    server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
+    queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
+    block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
+    batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
+    batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
+    token_times_s: list[float] = field(default_factory=list)  # commit time of each token
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_round=self.tokens_per_round,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return d
+
+
+class Generation:
+    """Async iterable of committed token chunks; ``stats`` and ``token_ids`` fill in as it runs."""
+
+    def __init__(self, chunks: AsyncIterator[list[int]], stats: GenerationStats):
+        self._chunks = chunks
+        self.stats = stats
+        self.token_ids: list[int] = []
+
+    async def __aiter__(self):
+        t0 = time.perf_counter()
+        try:
+            async for chunk in self._chunks:
+                now = time.perf_counter() - t0
+                if chunk and self.stats.ttft_s is None:
+                    self.stats.ttft_s = now
+                self.stats.token_times_s += [now] * len(chunk)
+                self.token_ids += chunk
+                self.stats.new_tokens = len(self.token_ids)
+                yield chunk
+        finally:
+            self.stats.wall_s = time.perf_counter() - t0
+
+    async def collect(self) -> list[int]:
+        async for _ in self:
+            pass
+        return self.token_ids

@@ -1,0 +1,33 @@
+"""SplitClient against an in-process gateway with a fake Triton: client-side behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from specsplit.edge.client import GenerationConfig, SplitClient
+from tests.fakes import SlowDrafter, gateway
+
+
+def test_cancel_leaves_the_drafter_idle():
+    """A generation cancelled while its draft-ahead worker runs returns only once the worker has
+    left the drafter; nobody touches the drafter afterwards."""
+    drafter = SlowDrafter(delay_s=0.05)
+
+    async def run() -> tuple[int, int, int]:
+        async with gateway() as address, SplitClient(address, drafter) as client:
+            cfg = GenerationConfig(max_new_tokens=50, draft_tokens=4)
+            task = asyncio.create_task(client.generate([1, 2, 3], cfg).collect())
+            while not drafter.worker_seen.is_set():
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.03)  # the verdict arrives while the worker still drafts
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            active, calls = drafter.active, drafter.calls
+            await asyncio.sleep(0.3)
+            return active, calls, drafter.calls
+
+    active, calls_at_cancel, calls_later = asyncio.run(run())
+    assert active == 0
+    assert calls_later == calls_at_cancel

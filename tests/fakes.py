@@ -1,0 +1,84 @@
+"""Fakes shared by tests: a Triton session that needs no Triton, a slow drafter, an in-process
+gateway around them."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from specsplit.cloud.gateway import ModelIdentity, start_gateway
+from specsplit.cloud.session import ModelLimits
+from specsplit.cloud.triton_client import VerifyReply
+
+VOCAB = 256
+MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512), "")
+NOWHERE = "127.0.0.1:1"  # no Triton: the fakes answer instead
+
+
+class FakeTriton:
+    """Accepts no draft and answers token 7: the cloud side of a stream, without Triton."""
+
+    def __init__(self, client) -> None:
+        self.sequence_id = 1
+        self.seeds: list[int] = []
+
+    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
+        self.seeds.append(seed)
+
+    async def reopen(self, prompt, sampling, mode, seed: int) -> None:
+        self.seeds.append(seed)
+
+    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
+        return VerifyReply(accepted=0, token=7, verify_ms=1.0, roundtrip_ms=1.0)
+
+    async def close(self) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def gateway(factory=FakeTriton, **kw) -> AsyncIterator[str]:
+    """An in-process gateway on a free port; yields its address, stops it on exit."""
+    server, port, service = await start_gateway(NOWHERE, MODEL, session_factory=factory, **kw)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+        await service.close()
+
+
+class SlowDrafter:
+    """A Drafter whose every forward pass takes ``delay_s``; records who uses it, and when."""
+
+    def __init__(self, delay_s: float = 0.05, top: int = 9) -> None:
+        self.vocab_size = VOCAB
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.delay_s, self.top = delay_s, top
+        self._cached: list[int] = []
+        self.calls = 0
+        self.active = 0  # forward passes in progress
+        self.worker_seen = threading.Event()  # a forward pass ran outside the main thread
+
+    @property
+    def cached(self) -> list[int]:
+        return list(self._cached)
+
+    def truncate(self, n: int) -> None:
+        del self._cached[n:]
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        self.active += 1
+        self.calls += 1
+        if threading.current_thread() is not threading.main_thread():
+            self.worker_seen.set()
+        try:
+            time.sleep(self.delay_s)
+            self._cached += list(tokens)
+            logits = np.zeros((len(tokens), VOCAB), dtype=np.float32)
+            logits[:, self.top] = 5.0
+            return logits
+        finally:
+            self.active -= 1
