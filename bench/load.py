@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
+    p.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        help="rerun only these temperatures, keeping the other rows of the existing raw file",
+    )
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
@@ -211,10 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.shared.sources import resolve_model
 
     plan = PLANS["quick" if args.quick else "full"]
+    if args.temperatures:
+        plan = replace(plan, temperatures=tuple(args.temperatures))
     name = "load-quick" if args.quick else "load"
     args.out.mkdir(parents=True, exist_ok=True)
     raw, meta_path = args.out / f"{name}-raw.jsonl", args.out / f"{name}-meta.json"
-    raw.write_text("")
+    kept, before = [], {}
+    if args.temperatures and raw.exists() and meta_path.exists():
+        rows = [json.loads(line) for line in raw.read_text().splitlines() if line]
+        kept = [r for r in rows if r["temperature"] not in plan.temperatures]
+        before = json.loads(meta_path.read_text())
+    raw.write_text("".join(json.dumps(r) + "\n" for r in kept))
     target_dir = resolve_model(args.target)
     draft_dir = ensure_draft_onnx(args.draft)
     edge_cores, cloud_cores = split_cores()
@@ -230,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft": str(draft_dir),
         "edge_cores": sorted(edge_cores),
         "cloud_cores": sorted(cloud_cores),
-        "plan": asdict(plan),
+        "plan": asdict(PLANS["quick" if args.quick else "full"]),
         "k": K,
         "cpu": cpu_model(),
     }
@@ -251,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
             replays = {t: ReplayDrafter(live, greedy=t == 0) for t in plan.temperatures}
 
             async def run() -> None:
-                meta["replay_check"] = await prime(cloud.address, replays, prompts, plan, live)
+                checks = await prime(cloud.address, replays, prompts, plan, live)
+                meta["replay_check"] = {**before.get("replay_check", {}), **checks}
                 console.print(f"replay check: {meta['replay_check']}")
                 for r in replays.values():
                     r.hits = r.misses = r.off_path = 0
                 await measure(cloud.address, replays, prompts, plan, raw)
-                meta["replay"] = {
+                meta["replay"] = before.get("replay", {}) | {
                     str(t): {"hits": r.hits, "misses": r.misses, "off_path": r.off_path}
                     for t, r in replays.items()
                 }

@@ -62,9 +62,11 @@ class ReplayDrafter:
     def top_token(self, committed) -> int:
         top = self.tops.get(tuple(committed))
         if top is not None:
+            self.hits += 1
             return top
         if self.greedy:
             return -1  # off the greedy path: no verdict will ever match this guess
+        self.misses += 1
         with self._lock:
             return int(next_logits(self.live, committed).argmax())
 
@@ -76,7 +78,11 @@ class ReplayDrafter:
             block = draft_block(self.live, committed, K_MAX + 1, cfg, rng, q_entries)
         key = tuple(committed)
         self.blocks[key] = block
-        self.tops[key] = block.tokens[0] if block.q is None else int(block.q[0].ids[0])
+        # The draft's top token after committed + d_1..d_j is d_(j+1) when greedy, and the first
+        # id of q_(j+1) (sorted by probability) when sampling: what a draft-ahead guesses.
+        for j in range(len(block.tokens)):
+            top = block.tokens[j] if block.q is None else int(block.q[j].ids[0])
+            self.tops.setdefault(key + tuple(block.tokens[:j]), top)
         return block
 
     # the Drafter protocol, for anything that asks the drafter directly --------------------------
