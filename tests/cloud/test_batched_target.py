@@ -13,7 +13,6 @@ from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
 GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
-CLOUD_ONLY = SessionParams(SamplingConfig(), Mode.GREEDY, speculative=False)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +107,7 @@ def test_same_session_twice_in_one_batch_is_served_in_order(target):
         [Open(1, [1, 2, 3], GREEDY), Verify(1, 3, [3]), Verify(1, 4, [0]), Close(1)]
     )
     assert out[0] is None and out[3] is None
-    assert isinstance(out[2], ValueError) or out[2].result.k == 0  # base_len follows out[1]
+    assert out[1].result.k == 0 and out[2].result.k == 0  # out[2]'s base_len follows out[1]
     assert 1 not in target.sessions
 
 
@@ -122,5 +121,3 @@ def test_block_hint_falls_under_load(target):
     _, one = target.run([Verify(0, 2, [2, 5, 6, 7, 8])])
     _, many = target.run([Verify(s, 2, [2, 5, 6, 7, 8]) for s in range(1, 33)])
     assert one.block_hint > many.block_hint
-    _, mixed = target.run([Open(40, [1, 2], CLOUD_ONLY)])
-    assert mixed.block_hint == one.block_hint or mixed.rows == 1
