@@ -6,13 +6,16 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
 from specsplit.cloud.limits import Limits
+from specsplit.cloud.replicas import parse_urls
 from specsplit.cloud.security import Security, load_tokens
+from specsplit.cloud.supervisor import TritonSupervisor
 from specsplit.cloud.triton import TritonError, TritonServer
 from specsplit.shared.sources import TARGET_DEFAULT, SourceError, resolve_model
 
@@ -20,19 +23,29 @@ log = logging.getLogger("specsplit.cloud")
 DEFAULT_TARGET = TARGET_DEFAULT.name
 
 
-async def _start_triton(triton: TritonServer, stop: asyncio.Event) -> bool:
-    """Starts Triton unless a stop signal comes first; False when interrupted."""
-    starting = asyncio.create_task(asyncio.to_thread(triton.start))
+async def _start_tritons(servers: list[TritonServer], stop: asyncio.Event) -> bool:
+    """Starts every server unless a stop signal comes first; False when interrupted."""
+    starting = asyncio.gather(*(asyncio.to_thread(s.start) for s in servers))
     stopping = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if starting in done:
         stopping.cancel()
         starting.result()  # raises TritonError with the log tail
         return True
-    triton.stop()  # kills the half-started server; the start thread then fails
+    for server in servers:  # kills the half-started servers; their start threads then fail
+        server.stop()
     with contextlib.suppress(Exception):
         await starting
     return False
+
+
+def _core_sets(n: int) -> list[set[int] | None]:
+    """Splits this process's cores among ``n`` replicas; no pinning when there are too few."""
+    cores = sorted(os.sched_getaffinity(0))
+    if n == 1 or len(cores) < n:
+        return [None] * n
+    per = len(cores) // n
+    return [set(cores[i * per : (i + 1) * per]) for i in range(n)]
 
 
 def _security(args: argparse.Namespace) -> Security:
@@ -58,30 +71,55 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 async def serve(args: argparse.Namespace) -> int:
     security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
+    if args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    if args.failover_wait <= 0:
+        raise ValueError("--failover-wait must be > 0")
+    if args.triton_url:
+        parse_urls(args.triton_url)
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    triton = None
-    if args.triton_url:
-        triton_url = args.triton_url
-    else:
-        print(f"starting Triton with target {target} ...", file=sys.stderr, flush=True)
-        triton = TritonServer(
-            target, threads=args.threads, dtype=args.dtype, startup_timeout_s=args.startup_timeout
-        )
-        if not await _start_triton(triton, stop):
-            return 130
-        triton_url = triton.url
+    servers: list[TritonServer] = []
+    supervisors: list[asyncio.Task] = []
     try:
+        if args.triton_url:
+            urls = parse_urls(args.triton_url)
+        else:
+            print(
+                f"starting {args.replicas} Triton replica(s) with target {target} ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            servers = [
+                TritonServer(
+                    target,
+                    threads=args.threads,
+                    dtype=args.dtype,
+                    startup_timeout_s=args.startup_timeout,
+                    cpus=cpus,
+                )
+                for cpus in _core_sets(args.replicas)
+            ]
+            if not await _start_tritons(servers, stop):
+                return 130
+            urls = [s.url for s in servers]
+            supervisors = [asyncio.create_task(TritonSupervisor(s).run()) for s in servers]
         server, port, service = await start_gateway(
-            triton_url, identity, args.host, args.port, limits=limits, security=security
+            urls,
+            identity,
+            args.host,
+            args.port,
+            limits=limits,
+            security=security,
+            failover_wait_s=args.failover_wait,
         )
         print(
             f"specsplit-cloud ready on {args.host}:{port} "
-            f"(model {identity.name}, triton {triton_url})",
+            f"(model {identity.name}, triton {','.join(urls)})",
             flush=True,
         )
         await stop.wait()
@@ -89,8 +127,10 @@ async def serve(args: argparse.Namespace) -> int:
         await server.stop(grace=2.0)
         await service.close()
     finally:
-        if triton is not None:
-            await asyncio.to_thread(triton.stop)
+        for task in supervisors:  # before the servers stop: no restart of what we stop
+            task.cancel()
+        await asyncio.gather(*supervisors, return_exceptions=True)
+        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in servers))
     return 0
 
 
@@ -105,7 +145,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
-    s.add_argument("--triton-url", help="use a running Triton (host:port) instead of starting one")
+    s.add_argument(
+        "--triton-url",
+        help="use running Triton replicas (host:port[,host:port...]) instead of starting them",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="tritonservers to start and supervise, each on its own cores where cores allow",
+    )
+    s.add_argument(
+        "--failover-wait",
+        type=float,
+        default=30.0,
+        help="seconds a session waits for a Triton replica to come back before UNAVAILABLE",
+    )
     s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
     s.add_argument("--threads", type=int, help="torch threads for the target")
     s.add_argument(

@@ -29,6 +29,7 @@ from specsplit.cloud.limits import (
     next_message,
     sampling_config,
 )
+from specsplit.cloud.replicas import ReplicaSet, parse_urls
 from specsplit.cloud.security import Security
 from specsplit.cloud.session import (
     Code,
@@ -64,33 +65,25 @@ _STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
 class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     def __init__(
         self,
-        triton_url: str,
+        replicas: ReplicaSet,
         model: ModelIdentity,
         limits: Limits | None = None,
         session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
     ):
-        self.triton_url = triton_url
+        self.replicas = replicas
         self.session_factory = session_factory  # tests pass fakes
         self.model = model
         self.limits = limits or Limits()
         self.active = 0
-        self._client: aioclient.InferenceServerClient | None = None
         self._closing: set[asyncio.Task] = set()
         self.health_task: asyncio.Task | None = None
-
-    @property
-    def client(self) -> aioclient.InferenceServerClient:
-        if self._client is None:  # created lazily, inside the server's event loop
-            self._client = aioclient.InferenceServerClient(self.triton_url)
-        return self._client
 
     async def close(self) -> None:
         if self.health_task is not None:
             self.health_task.cancel()
         if self._closing:
             await asyncio.wait(self._closing, timeout=10)
-        if self._client is not None:
-            await self._client.close()
+        await self.replicas.close()
 
     def _release(self, lease: Lease) -> None:
         # Freeing the Triton session runs in its own task: a client that cancels the call right
@@ -108,7 +101,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 "seconds, or on another replica",
             )
         self.active += 1
-        triton = Lease(self.client, self.session_factory(self.client))
+        triton = Lease(self.replicas, self.session_factory)
         try:
             async for msg in self._generate(request_iterator, triton):
                 yield msg
@@ -294,13 +287,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
 
     async def _round(self, session, triton: Lease, drafts, q, t0) -> pb.Verdict:
         tokens = [session.committed[-1], *drafts]
-        try:
-            reply = await triton.verify(session.committed_len, tokens, q)
-        except SessionLost:
-            # Sessions hold nothing the gateway cannot rebuild: re-open with the committed prefix.
-            log.info("session lost in Triton; re-opening at %d tokens", session.committed_len)
-            await triton.reopen(session.committed, session.sampling, session.mode, session.seed)
-            reply = await triton.verify(session.committed_len, tokens, q)
+        # A lost session or a failed replica re-opens from the committed prefix in there.
+        reply = await triton.verify(session.committed, tokens, q)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
         return pb.Verdict(
             accepted=commit.accepted,
@@ -321,18 +309,22 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
 
 
 async def start_gateway(
-    triton_url: str,
+    triton_url: str | list[str],
     model: ModelIdentity,
     host: str = "127.0.0.1",
     port: int = 0,
     limits: Limits | None = None,
     security: Security | None = None,
     session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
+    failover_wait_s: float = 30.0,
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
-    """Starts the gateway; returns (server, bound port, service). Port 0 picks a free port."""
+    """Starts the gateway in front of one Triton or several (``host:port`` each); returns
+    (server, bound port, service). Port 0 picks a free port."""
     limits, security = limits or Limits(), security or Security()
+    urls = parse_urls(triton_url) if isinstance(triton_url, str) else list(triton_url)
+    replicas = ReplicaSet(urls, failover_wait_s=failover_wait_s)
     server = grpc.aio.server(interceptors=security.interceptors(), options=limits.server_options())
-    service = SpeculativeService(triton_url, model, limits, session_factory)
+    service = SpeculativeService(replicas, model, limits, session_factory)
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -360,11 +352,8 @@ def _handlers(service: SpeculativeService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": generate})
 
 
-async def _update_health(service: SpeculativeService, servicer, timeout_s: float = 2.0) -> None:
-    try:
-        ready = await asyncio.wait_for(service.client.is_model_ready("target"), timeout_s)
-    except Exception:
-        ready = False
+async def _update_health(service: SpeculativeService, servicer) -> None:
+    ready = await service.replicas.refresh()  # serving while any replica is
     status = health_pb2.HealthCheckResponse
     for name in ("", SERVICE_NAME):
         await servicer.set(name, status.SERVING if ready else status.NOT_SERVING)
@@ -372,7 +361,7 @@ async def _update_health(service: SpeculativeService, servicer, timeout_s: float
 
 async def _watch_health(service: SpeculativeService, servicer, period_s: float = 2.0) -> None:
     """Health follows the target's readiness in Triton, so a balancer stops routing here when
-    the inference server is down."""
+    every replica is down; replicas that come back are used again."""
     while True:
         await asyncio.sleep(period_s)
         await _update_health(service, servicer)

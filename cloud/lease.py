@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
+from specsplit.cloud.replicas import Replica, ReplicaSet
 from specsplit.cloud.triton_client import (
     MODEL_NAME,
     SessionLost,
     TritonRequestError,
     TritonSession,
+    TritonUnavailable,
     VerifyReply,
 )
 
@@ -36,23 +39,82 @@ END_RETRY_S = (0.0, 0.5, 2.0)
 
 
 class Lease:
-    """TritonSession's calls, each shielded from the caller's cancellation; ``release`` always
-    frees what START allocated."""
+    """TritonSession's calls, each shielded from the caller's cancellation, on one replica of
+    ``replicas``; a session whose replica failed (or lost it) re-opens from its committed prefix
+    on a replica that is up; ``release`` always frees what START allocated."""
 
-    def __init__(self, client: aioclient.InferenceServerClient, triton: TritonSession):
-        self.client = client
-        self.triton = triton
+    def __init__(self, replicas: ReplicaSet, factory: Callable[[object], TritonSession]):
+        self.replicas = replicas
+        self.factory = factory
+        self.replica: Replica = replicas.place()
+        self.triton = factory(self.replica.client)
         self.opened = False  # a START was (or may have been) sent
+        self.moves = 0  # re-opens after a lost session or a failed replica
         self._call_task: asyncio.Future | None = None  # the latest call to Triton
+        self._params: tuple = ()  # sampling, mode, seed, speculative: what a re-open repeats
+
+    @property
+    def client(self) -> aioclient.InferenceServerClient:
+        return self.replica.client
 
     async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
-        await self._call(self.triton.start(prompt, sampling, mode, seed, speculative), opens=True)
+        self._params = (sampling, mode, seed, speculative)
+        try:
+            await self._call(self.triton.start(prompt, *self._params), opens=True)
+        except TritonUnavailable:
+            self.replicas.failed(self.replica)
+            await self._recover(prompt, self._failover_deadline(), move=True)
 
-    async def reopen(self, prompt, sampling, mode, seed: int) -> None:
-        await self._call(self.triton.reopen(prompt, sampling, mode, seed), opens=True)
+    async def verify(self, committed: Sequence[int], tokens, q=None) -> VerifyReply:
+        """Verifies ``tokens`` (the last committed token, then the drafts) after ``committed``;
+        re-opens once when Triton lost the session, and as often as the failover window allows
+        when the replica failed. A session lost again right after its re-open raises."""
+        deadline = None
+        lost = False
+        while True:
+            try:
+                return await self._call(self.triton.verify(len(committed), tokens, q))
+            except SessionLost:
+                if lost:
+                    raise
+                lost = True
+                log.info("session lost in Triton; re-opening at %d tokens", len(committed))
+                failed = False  # the replica answered: re-open right there
+            except TritonUnavailable as e:
+                log.warning("replica %s failed mid-session: %s", self.replica.url, e)
+                self.replicas.failed(self.replica)
+                failed = True
+            deadline = deadline or self._failover_deadline()
+            await self._recover(committed, deadline, move=failed)
 
-    async def verify(self, base_len: int, tokens, q=None) -> VerifyReply:
-        return await self._call(self.triton.verify(base_len, tokens, q))
+    def _failover_deadline(self) -> float:
+        return time.monotonic() + self.replicas.failover_wait_s
+
+    async def _recover(self, committed: Sequence[int], deadline: float, move: bool) -> None:
+        """A fresh sequence holding ``committed``: on the same replica when only the session was
+        lost, else on a replica that is up."""
+        while True:
+            if move:
+                await self.replicas.wait_up(deadline)  # TritonUnavailable at the deadline
+                self._move()
+            self.moves += 1
+            try:
+                await self._call(self.triton.reopen(committed, *self._params[:3]), opens=True)
+                return
+            except TritonUnavailable as e:
+                log.warning("re-open on %s failed: %s", self.replica.url, e)
+                self.replicas.failed(self.replica)
+                move = True
+
+    def _move(self) -> None:
+        old, old_triton = self.replica, self.triton
+        self.replicas.leave(old)
+        self.replica = self.replicas.place()
+        self.triton = self.factory(self.replica.client)
+        self.triton.speculative = old_triton.speculative
+        if self.replica is not old:
+            log.warning("session moved from replica %s to %s", old.url, self.replica.url)
+        _background(old_triton.close())  # a dead replica's stream: best effort, never raises
 
     async def _call(self, coro: Awaitable[T], opens: bool = False) -> T:
         if opens:
@@ -79,9 +141,21 @@ class Lease:
                     error, SessionLost | TritonRequestError
                 )
         sequence_id = self.triton.sequence_id
-        await self.triton.close()
-        if self.opened and broken:
-            await end_sequence(self.client, sequence_id)
+        try:
+            await self.triton.close()
+            if self.opened and broken:
+                await end_sequence(self.client, sequence_id)
+        finally:
+            self.replicas.leave(self.replica)
+
+
+_pending: set[asyncio.Task] = set()
+
+
+def _background(coro: Awaitable) -> None:
+    task = asyncio.ensure_future(coro)
+    _pending.add(task)  # held until done: the loop keeps only weak references to tasks
+    task.add_done_callback(_pending.discard)
 
 
 async def end_sequence(client: aioclient.InferenceServerClient, sequence_id: int) -> bool:

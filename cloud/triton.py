@@ -21,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,7 @@ class TritonServer:
         startup_timeout_s: float = 180.0,
         model_repository: Path = MODEL_REPOSITORY,
         log_verbose: int = 0,
+        cpus: set[int] | None = None,
     ):
         self.target_dir = Path(target_dir).resolve()
         self.grpc_port = grpc_port or free_port()
@@ -136,16 +138,22 @@ class TritonServer:
         self.startup_timeout_s = startup_timeout_s
         self.model_repository = model_repository
         self.log_verbose = log_verbose
+        self.cpus = cpus  # pin the server (and its stub) to these cores
         self.proc: subprocess.Popen | None = None
         self._work = Path(tempfile.mkdtemp(prefix="specsplit-triton-"))
         self.log_path = self._work / "tritonserver.log"
         self._shm_prefix = f"specsplit{os.getpid()}x{self.grpc_port}_"
+        # stop() may run while another thread (re)starts the server: after it, nothing starts.
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
     def start(self) -> TritonServer:
+        if self._closed:
+            raise TritonError("tritonserver was stopped")
         bundled = BundledTriton.find()
         backends = bundled.prepare_backends(self._work)
         extra = {"SPECSPLIT_TARGET_DIR": str(self.target_dir), "SPECSPLIT_TARGET_DTYPE": self.dtype}
@@ -164,9 +172,16 @@ class TritonServer:
             "--grpc-address=127.0.0.1",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             f"--log-verbose={self.log_verbose}",
+            # We stop Triton after the gateway: nothing in flight is worth waiting 30 s for
+            # (sequences a killed gateway left open would otherwise hold the exit that long).
+            "--exit-timeout-secs=5",
         ]
         log.info("starting tritonserver on %s", self.url)
-        with open(self.log_path, "wb") as out:
+        # Appended: a restarted server's log follows the crashed one's.
+        cpus = self.cpus
+        with self._lock, open(self.log_path, "ab") as out:
+            if self._closed:
+                raise TritonError("tritonserver was stopped")
             # New session: SIGINT from a terminal reaches us, and we stop Triton ourselves.
             self.proc = subprocess.Popen(
                 cmd,
@@ -174,11 +189,12 @@ class TritonServer:
                 stderr=subprocess.STDOUT,
                 env=bundled.environment(extra),
                 start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         try:
             self._wait_ready()
         except BaseException:
-            self.stop()
+            self.kill()
             raise
         return self
 
@@ -214,14 +230,33 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        proc, self.proc = self.proc, None
+    @property
+    def exited(self) -> bool:
+        """True when the server process ended without ``stop()``: it crashed or was killed."""
+        proc = self.proc
+        return proc is not None and proc.poll() is not None
+
+    def kill(self, grace_s: float = 15.0) -> None:
+        """Stops the server and everything in its group (a crashed server's Python backend stub
+        lives on as an orphan there), and removes its shared-memory regions. Restartable."""
+        with self._lock:
+            proc, self.proc = self.proc, None
         if proc is not None:
-            # Backend stubs live in Triton's process group: signal and reap the whole group.
             stop_process_group(proc, grace_s, signal_group=True)
         for f in glob.glob(f"/dev/shm/{self._shm_prefix}*"):
             with contextlib.suppress(OSError):
                 os.unlink(f)
+
+    def restart(self) -> TritonServer:
+        """Cleans up what a crash left and starts again on the same port (clients keep their
+        URL). Raises TritonError when the new server does not get ready."""
+        self.kill(grace_s=5.0)
+        return self.start()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        with self._lock:
+            self._closed = True
+        self.kill(grace_s)
         shutil.rmtree(self._work, ignore_errors=True)
 
     def __enter__(self) -> TritonServer:

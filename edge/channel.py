@@ -13,6 +13,11 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted gateway is found within a second or two, not after grpc's default reconnect
+    # backoff (which grows to two minutes): the retry window (edge/retry.py) is what bounds it.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, ensure_draft_onnx
+from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 
@@ -35,12 +36,15 @@ def _config(args) -> GenerationConfig:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise SystemExit(f"specsplit-edge: {e}") from None
+    if args.retry_window < 0:
+        raise SystemExit("specsplit-edge: --retry-window must be >= 0")
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=args.seed,
         draft_tokens=args.draft_tokens,
         verification=VERIFICATION[args.verification],
+        retry_window_s=args.retry_window,
     )
 
 
@@ -168,6 +172,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per round")
     g.add_argument("--verification", choices=tuple(VERIFICATION), default="auto")
     g.add_argument("--mode", choices=MODES, default="split")
+    g.add_argument(
+        "--retry-window",
+        type=float,
+        default=DEFAULT_WINDOW_S,
+        help="seconds to keep re-opening after UNAVAILABLE, per outage "
+        f"(default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
+    )
     g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p = sub.add_parser("pull", help="fetch and export the draft ahead of time (with progress)")

@@ -35,6 +35,7 @@ from specsplit.edge.drafting import (
     top_token,
 )
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
+from specsplit.edge.retry import DEFAULT_WINDOW_S, Backoff
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.protocol import (
     MODE_TO_PB,
@@ -74,7 +75,9 @@ class GenerationConfig:
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
     model: str = ""  # target model name; "" = the server's default
-    retries: int = 2  # re-opens after UNAVAILABLE, continuing from the committed prefix
+    # After UNAVAILABLE, re-open from the committed sequence with backoff for up to this long
+    # per outage (edge/retry.py); never once the final verdict came.
+    retry_window_s: float = DEFAULT_WINDOW_S
     # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
     # top token"; used when the verdict matches (DESIGN §4). Output is the same either way.
     draft_ahead: bool = True
@@ -156,7 +159,7 @@ class SplitClient:
     async def _with_retries(self, prompt, cfg, stats, mode) -> AsyncIterator[list[int]]:
         """Runs the session; after UNAVAILABLE re-opens with the committed sequence as prompt."""
         committed = list(prompt)
-        attempts = 0
+        backoff = Backoff(cfg.retry_window_s)
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
             # A re-open sends the seed the first Started reported: sampling resumes unchanged.
@@ -167,16 +170,28 @@ class SplitClient:
             try:
                 async for chunk in session.run(cloud_only=mode == "cloud-only"):
                     committed += chunk
+                    backoff.progress()
                     yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                retry = e.code() == grpc.StatusCode.UNAVAILABLE and attempts < cfg.retries
-                if not retry:
+                if session.final:  # everything arrived; only the goodbye was lost
+                    stats.finish = stats.finish or session.final
+                    return
+                pause = backoff.next_pause() if e.code() == grpc.StatusCode.UNAVAILABLE else None
+                if pause is None:
                     raise SpecsplitError(e.code(), e.details()) from None
-                attempts += 1
-                await asyncio.sleep(0.5 * attempts)
+                stats.retries += 1
+                await asyncio.sleep(pause)
             finally:
                 await session.close()
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _reason(reason: int) -> str:
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
 
 
 class _Stopped(Exception):
@@ -241,10 +256,20 @@ class _Session:
         self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
         self.call = None
         self.metadata = None  # the call's metadata (the bearer token)
+        self.final = ""  # the finish reason, once the final verdict came
 
     async def _send(self, msg: pb.ClientMessage) -> None:
         self.stats.bytes_up += msg.ByteSize()
-        await self.call.write(msg)
+        try:
+            await self.call.write(msg)
+        except asyncio.InvalidStateError:  # the server ended the call first: its status
+            raise _rpc_error(await self.call.code(), await self.call.details()) from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INTERNAL:
+                raise
+            # grpc core could not send: the connection broke (a server's own INTERNAL status
+            # would have ended the call before the write). Retryable, like any lost link.
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
 
     async def _recv(self, kind: str):
         msg = await self.call.read()
@@ -282,7 +307,7 @@ class _Session:
             yield chunk
         finished = await self._recv("finished")
         self.stats.target_forward_passes += finished.target_forward_passes
-        self.stats.finish = pb.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_")
+        self.stats.finish = _reason(finished.reason)
         await self.call.done_writing()
 
     def _check_pair(self, model: pb.ModelInfo) -> None:
@@ -370,6 +395,8 @@ class _Session:
             if cfg.follow_hint and v.HasField("max_draft_tokens_hint"):
                 hint = v.max_draft_tokens_hint
                 stats.block_hint.append(hint)
+            if v.finished:
+                self.final = _reason(v.reason)
             yield chunk
             if v.finished:
                 return
@@ -387,6 +414,8 @@ class _Session:
             t_prev = now
             chunk = [v.token] if v.has_token else []
             self.committed += chunk
+            if v.finished:
+                self.final = _reason(v.reason)
             yield chunk
             if v.finished:
                 return

@@ -19,6 +19,7 @@ class GenerationStats:
     ttft_s: float | None = None
     bytes_up: int = 0
     bytes_down: int = 0
+    retries: int = 0  # streams re-opened after UNAVAILABLE
     ahead_hits: int = 0  # rounds whose block was drafted while the previous verdict was in flight
     finish: str = ""
     seed: int | None = None  # the seed in force (the server's pick when none was given)

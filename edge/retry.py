@@ -1,0 +1,38 @@
+"""When the edge tries again (DESIGN §8): after UNAVAILABLE (a gateway or Triton restarting, a
+link down), with exponential backoff, for as long as a window allows. The window measures one
+outage: committed progress since the last failure starts a fresh one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_WINDOW_S = 60.0
+
+
+@dataclass
+class Backoff:
+    window_s: float = DEFAULT_WINDOW_S
+    first_s: float = 0.25
+    max_s: float = 4.0
+    _since: float | None = field(default=None, init=False)
+    _pause: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.window_s < 0:
+            raise ValueError("the retry window must be >= 0 seconds")
+        self._pause = self.first_s
+
+    def progress(self) -> None:
+        """Tokens were committed: the outage (if any) is over."""
+        self._since, self._pause = None, self.first_s
+
+    def next_pause(self) -> float | None:
+        """Seconds to wait before the next try; None once the window is spent."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now + self._pause - self._since > self.window_s:
+            return None
+        pause, self._pause = self._pause, min(2 * self._pause, self.max_s)
+        return pause

@@ -1,0 +1,132 @@
+"""The edge's retry window (edge/retry.py) and when it applies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.retry import Backoff
+from specsplit.shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb
+from tests.fakes import MODEL, SlowDrafter
+
+
+def test_backoff_doubles_up_to_its_cap_and_ends_with_the_window(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("specsplit.edge.retry.time.monotonic", lambda: now[0])
+    backoff = Backoff(window_s=10.0, first_s=1.0, max_s=4.0)
+    pauses = []
+    while (pause := backoff.next_pause()) is not None:
+        pauses.append(pause)
+        now[0] += pause
+    assert pauses == [1.0, 2.0, 4.0]  # a fourth (4 s) would end at 11 s, past the window
+    backoff.progress()  # tokens arrived: the next outage gets a whole window
+    assert backoff.next_pause() == 1.0
+
+
+def test_negative_window_is_refused():
+    with pytest.raises(ValueError, match="window"):
+        Backoff(window_s=-1)
+
+
+class FinalThenBreak:
+    """A gateway that sends Started and a final Verdict, then fails the stream UNAVAILABLE
+    (a link that dies just before Finished)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, request_iterator, context):
+        self.calls += 1
+        first = await request_iterator.__anext__()
+        n = len(first.start.prompt_ids)
+        yield pb.ServerMessage(
+            started=pb.Started(
+                session_id="s",
+                model=MODEL.to_pb(),
+                limits=pb.Limits(max_draft_tokens=4, max_context=512, max_q_entries=8),
+                protocol_version=PROTOCOL_VERSION,
+                committed_len=n,
+                max_new_tokens=1,
+                seed=5,
+            )
+        )
+        if not first.start.cloud_only:
+            await request_iterator.__anext__()  # the Draft the verdict answers
+        yield pb.ServerMessage(
+            verdict=pb.Verdict(
+                token=9, has_token=True, committed_len=n + 1, finished=True, reason=3
+            )
+        )
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "link lost")
+
+
+async def _run_against(servicer, mode: str) -> tuple[list[int], object]:
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.generate,
+        request_deserializer=pb.ClientMessage.FromString,
+        response_serializer=pb.ServerMessage.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
+            gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), mode=mode)
+            return await gen.collect(), gen.stats
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("mode", ["split", "cloud-only"])
+def test_never_reopens_after_the_final_verdict(mode):
+    servicer = FinalThenBreak()
+    tokens, stats = asyncio.run(_run_against(servicer, mode))
+    assert tokens == [9]
+    assert servicer.calls == 1, "re-opened a finished generation"
+    assert stats.finish == "LENGTH" and stats.retries == 0
+
+
+class AlwaysUnavailable:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, request_iterator, context):
+        self.calls += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "down")
+        yield  # pragma: no cover
+
+
+def test_unavailable_is_retried_until_the_window_ends():
+    servicer = AlwaysUnavailable()
+
+    async def run():
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(
+            servicer.generate,
+            request_deserializer=pb.ClientMessage.FromString,
+            response_serializer=pb.ServerMessage.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
+                cfg = GenerationConfig(max_new_tokens=4, retry_window_s=1.0)
+                gen = client.generate([1, 2, 3], cfg, mode="cloud-only")
+                with pytest.raises(SpecsplitError) as err:
+                    await gen.collect()
+                return err.value, gen.stats
+        finally:
+            await server.stop(None)
+
+    error, stats = asyncio.run(run())
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert servicer.calls == stats.retries + 1 >= 3  # 0.25 + 0.5 s fit in 1 s; 1 s more does not
