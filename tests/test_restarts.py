@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -58,12 +59,19 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-async def _serving(address: str) -> bool:
+async def _serving(address: str, within_s: float = 10.0) -> bool:
+    """True once health says SERVING (it follows Triton every 2 s); False after ``within_s``."""
+    deadline = time.monotonic() + within_s
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=5
-        )
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        while True:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.2)
 
 
 async def _generate(address, drafter, cfg: GenerationConfig, mode="split", on_tokens=None):
