@@ -85,15 +85,25 @@ async def _generate(address, drafter, cfg: GenerationConfig, mode="split", on_to
 
 
 class KillOnce:
-    """Calls ``kill`` once, after ``KILL_AFTER`` tokens; remembers how many had arrived."""
+    """Calls ``kill`` once, after ``KILL_AFTER`` tokens; remembers how many had arrived, and the
+    longest wait between two chunks (printed: `pytest -s` shows each scenario's stall)."""
 
-    def __init__(self, kill) -> None:
-        self.kill, self.at = kill, None
+    def __init__(self, kill, name: str = "") -> None:
+        self.kill, self.name, self.at = kill, name, None
+        self.stall_s = 0.0
+        self._last: float | None = None
 
     def __call__(self, n: int) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self.stall_s = max(self.stall_s, now - self._last)
+        self._last = now
         if self.at is None and n >= KILL_AFTER:
             self.at = n
             self.kill()
+
+    def report(self) -> None:
+        print(f"\n{self.name}: killed after {self.at} tokens; longest stall {self.stall_s:.1f} s")
 
 
 def test_triton_sigkill_mid_generation_is_survived(tiny, tmp_path):
@@ -114,9 +124,11 @@ def test_triton_sigkill_mid_generation_is_survived(tiny, tmp_path):
             triton = _triton_pid(port)
             stubs = _proc_children(triton)
             assert stubs, "the Python backend stub should run under tritonserver"
-            killer = KillOnce(lambda pid=triton: os.kill(pid, signal.SIGKILL))
+            name = f"tritonserver SIGKILL ({'greedy' if cfg.sampling.greedy else 'sampled'})"
+            killer = KillOnce(lambda pid=triton: os.kill(pid, signal.SIGKILL), name)
             tokens, stats = asyncio.run(_generate(cloud.address, drafter, cfg, on_tokens=killer))
             assert killer.at is not None and killer.at < N_NEW, "the kill came too late"
+            killer.report()
             assert tokens == want, "output differs from an uninterrupted run"
             assert stats.finish == "LENGTH"
             assert _triton_pid(port) != triton, "tritonserver was not restarted"
@@ -160,9 +172,10 @@ def test_gateway_killed_and_restarted_on_its_port_is_survived(tiny, tmp_path):
             address = f"127.0.0.1:{gateways.port}"
             try:
                 for mode in ("split", "cloud-only"):
-                    killer = KillOnce(gateways.kill_and_restart)
+                    killer = KillOnce(gateways.kill_and_restart, f"gateway SIGKILL ({mode})")
                     tokens, stats = await _generate(address, drafter, cfg, mode, killer)
                     assert killer.at is not None and killer.at < N_NEW, "the kill came too late"
+                    killer.report()
                     assert stats.retries >= 1, "the stream should have broken"
                     assert tokens == expected, mode
                     await asyncio.gather(*gateways.starting)
