@@ -1,6 +1,7 @@
-"""Nothing lost when a process dies (DESIGN §8), on real processes: tritonserver SIGKILLed under
-`serve`, the gateway SIGKILLed and started again on its port. Each generation must come out
-exactly as an uninterrupted one: the target's greedy output, or the same seeded sample."""
+"""Nothing lost when a process dies or the link drops (DESIGN §8), on real processes: tritonserver
+SIGKILLed under `serve`, the gateway SIGKILLed and started again on its port, a 2 s outage in the
+delay proxy. Each generation must come out exactly as an uninterrupted one: the target's greedy
+output, or the same seeded sample."""
 
 from __future__ import annotations
 
@@ -186,3 +187,31 @@ def test_gateway_killed_and_restarted_on_its_port_is_survived(tiny, tmp_path):
             asyncio.run(scenario())
         finally:
             gateways.stop()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["stall", "reset"])
+def test_link_outage_of_two_seconds_is_survived(cloud, tiny, reset):
+    """The delay proxy cuts the link for 2 s mid-generation: a stalled link resumes as it was, a
+    reset one makes the edge re-open from its committed sequence."""
+    from bench.proxy import DelayProxy
+
+    expected = reference_greedy(tiny.target, PROMPT, N_NEW)
+    drafter = OnnxDrafter(tiny.draft_onnx)
+    cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=3, follow_hint=False)
+
+    async def scenario():
+        port = int(cloud.address.rsplit(":", 1)[1])
+        async with DelayProxy(port, rtt_ms=10) as proxy:
+            name = f"2 s link outage ({'reset' if reset else 'stall'})"
+            killer = KillOnce(lambda: proxy.outage(2.0, reset=reset), name)
+            tokens, stats = await _generate(
+                f"127.0.0.1:{proxy.port}", drafter, cfg, "split", killer
+            )
+        assert killer.at is not None and killer.at < N_NEW, "the outage came too late"
+        killer.report()
+        assert tokens == expected
+        assert killer.stall_s >= 1.5, "the outage did not hold the stream up"
+        if reset:
+            assert stats.retries >= 1
+
+    asyncio.run(scenario())
