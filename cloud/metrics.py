@@ -17,6 +17,7 @@ share or collide on a metric. Triton replicas are read at scrape time, one label
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +36,9 @@ PREFIX = "specsplit"
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPTANCE_LENGTHS = tuple(range(1, 18))  # emitted per draft: 1 .. max_draft_tokens + 1
+# Finished.reason -> outcome label; UNSPECIFIED (a split stream the client half-closed) is none.
 _FINISH = {int(v): n.removeprefix("FINISH_REASON_").lower() for n, v in pb.FinishReason.items()}
+_FINISH[0] = ""
 
 
 @dataclass
@@ -157,10 +160,14 @@ class GatewayMetrics:
         async def generate(requests, context) -> AsyncIterator[pb.ServerMessage]:
             stream = _Stream()
             self.sessions_active.inc()
+            messages = handler(_Requests(requests, self, stream), context)
             try:
-                async for msg in handler(_Requests(requests, self, stream), context):
-                    self.observe_response(stream, msg)
-                    yield msg
+                # aclosing: when grpc drops this generator, the handler's own cleanup (its
+                # session's KV cache) runs now, not when the garbage collector gets to it.
+                async with contextlib.aclosing(messages):
+                    async for msg in messages:
+                        self.observe_response(stream, msg)
+                        yield msg
             except BaseException as e:
                 self.observe_end(stream, _code(context, e))
                 raise
@@ -188,7 +195,7 @@ class GatewayMetrics:
             k = stream.pending.popleft() if stream.pending else 0
             self.observe_verdict(stream.mode, k, msg.verdict)
         elif kind == "finished":
-            stream.outcome = _FINISH.get(msg.finished.reason, "unknown")
+            stream.outcome = _FINISH.get(msg.finished.reason, "")
 
     def observe_verdict(self, mode: str, k: int, v: pb.Verdict) -> None:
         emitted = v.accepted + int(v.has_token)
@@ -214,10 +221,12 @@ class GatewayMetrics:
         if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
             outcome = code.name.lower()
             self.errors.labels(code.name).inc()
-        elif stream.outcome:
+        elif stream.outcome:  # a finish reason: the generation ran to its end
             outcome = stream.outcome
-        else:  # the client went away, or half-closed before its Start
-            outcome = code if isinstance(code, str) else "no_start"
+        elif isinstance(code, str):
+            outcome = code
+        else:  # the client half-closed, before its Start or between rounds
+            outcome = "client_closed" if stream.mode != "none" else "no_start"
         self.sessions.labels(stream.mode, outcome).inc()
 
 
@@ -227,14 +236,15 @@ def _code(context, error: BaseException | None) -> grpc.StatusCode | str | None:
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return "client_cancelled"
     try:
-        code = context.code()
-    except Exception:  # a test double without code()
-        code = None
+        code, cancelled = context.code(), context.cancelled()
+    except Exception:  # a test double without them
+        code, cancelled = None, False
     if code is not None and not isinstance(code, grpc.StatusCode):
         code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
     if code is None and error is not None:
         return grpc.StatusCode.UNKNOWN
-    return code
+    # A cancelled call ends the request stream like a half-close: the handler may end normally.
+    return "client_cancelled" if code is None and cancelled else code
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:

@@ -128,6 +128,28 @@ def test_errors_are_counted_by_status_code():
     assert value(m, "specsplit_sessions_total", mode="split", outcome="failed_precondition") == 2
 
 
+def test_a_client_that_cancels_is_counted_and_its_stream_closed():
+    async def main():
+        async with gateways(1) as [(address, service)]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=20)
+                await call.write(start(8))
+                assert (await call.read()).WhichOneof("msg") == "started"
+                call.cancel()
+            for _ in range(200):  # the handler notices the cancel asynchronously
+                m = samples(service.metrics.registry)
+                if value(m, "specsplit_sessions_total", mode="split", outcome="client_cancelled"):
+                    break
+                await asyncio.sleep(0.05)
+            return m, service.active
+
+    m, active = asyncio.run(main())
+    assert value(m, "specsplit_sessions_total", mode="split", outcome="client_cancelled") == 1
+    assert value(m, "specsplit_sessions_active") == 0
+    assert active == 0  # the handler's own cleanup ran too
+    assert not any(name == "specsplit_errors_total" for name, _ in m)
+
+
 def test_each_gateway_has_its_own_registry():
     async def main():
         async with gateways(2) as [(address, first), (_, second)]:
