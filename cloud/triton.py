@@ -134,6 +134,8 @@ class TritonServer:
         self.target_dir = Path(target_dir).resolve()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = free_port()  # Triton's own metrics, on localhost only
+        while self.metrics_port == self.grpc_port:  # two free ports in a row may coincide
+            self.metrics_port = free_port()
         self.threads = threads
         self.dtype = dtype
         self.startup_timeout_s = startup_timeout_s
