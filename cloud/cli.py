@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
 from specsplit.cloud.limits import Limits
+from specsplit.cloud.metrics import serve_metrics
 from specsplit.cloud.replicas import parse_urls
 from specsplit.cloud.security import Security, load_tokens
 from specsplit.cloud.supervisor import TritonSupervisor
@@ -69,6 +70,15 @@ def _limits(args: argparse.Namespace) -> Limits:
     )
 
 
+def _start_metrics(args: argparse.Namespace, registry):
+    if args.metrics_port is None:
+        return None
+    host = args.metrics_host or args.host
+    server = serve_metrics(registry, host, args.metrics_port)
+    print(f"metrics on http://{host}:{server.server_port}/metrics", flush=True)
+    return server
+
+
 async def serve(args: argparse.Namespace) -> int:
     security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
     if args.replicas < 1:
@@ -77,6 +87,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError("--failover-wait must be > 0")
     if args.triton_url:
         parse_urls(args.triton_url)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise ValueError("--metrics-port must be in [0, 65535]")
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.model_name)
     stop = asyncio.Event()
@@ -85,6 +97,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     servers: list[TritonServer] = []
     supervisors: list[asyncio.Task] = []
+    metrics = None
     try:
         if args.triton_url:
             urls = parse_urls(args.triton_url)
@@ -107,6 +120,8 @@ async def serve(args: argparse.Namespace) -> int:
             if not await _start_tritons(servers, stop):
                 return 130
             urls = [s.url for s in servers]
+            for s in servers:
+                print(f"triton {s.url} metrics on {s.metrics_url}", file=sys.stderr, flush=True)
             supervisors = [asyncio.create_task(TritonSupervisor(s).run()) for s in servers]
         server, port, service = await start_gateway(
             urls,
@@ -117,6 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
             security=security,
             failover_wait_s=args.failover_wait,
         )
+        metrics = _start_metrics(args, service.metrics.registry)
         print(
             f"specsplit-cloud ready on {args.host}:{port} "
             f"(model {identity.name}, triton {','.join(urls)})",
@@ -127,6 +143,9 @@ async def serve(args: argparse.Namespace) -> int:
         await server.stop(grace=2.0)
         await service.close()
     finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         for task in supervisors:  # before the servers stop: no restart of what we stop
             task.cancel()
         await asyncio.gather(*supervisors, return_exceptions=True)
@@ -161,6 +180,12 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a session waits for a Triton replica to come back before UNAVAILABLE",
     )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
+    )
+    s.add_argument("--metrics-host", help="address the metrics port binds (default: --host)")
     s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
     s.add_argument("--threads", type=int, help="torch threads for the target")
     s.add_argument(

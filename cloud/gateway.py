@@ -29,6 +29,7 @@ from specsplit.cloud.limits import (
     next_message,
     sampling_config,
 )
+from specsplit.cloud.metrics import GatewayMetrics
 from specsplit.cloud.replicas import ReplicaSet, parse_urls
 from specsplit.cloud.security import Security
 from specsplit.cloud.session import (
@@ -74,6 +75,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.session_factory = session_factory  # tests pass fakes
         self.model = model
         self.limits = limits or Limits()
+        self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
         self.active = 0
         self._closing: set[asyncio.Task] = set()
         self.health_task: asyncio.Task | None = None
@@ -345,7 +347,7 @@ def _handlers(service: SpeculativeService) -> grpc.GenericRpcHandler:
     # The generated add_..._to_server would decode with ClientMessage.FromString, whose
     # DecodeError grpc reports as UNKNOWN; ours hands the servicer a marker instead.
     generate = grpc.stream_stream_rpc_method_handler(
-        service.Generate,
+        service.metrics.instrument(service.Generate),
         request_deserializer=decode_client_message,
         response_serializer=pb.ServerMessage.SerializeToString,
     )

@@ -133,6 +133,9 @@ class TritonServer:
     ):
         self.target_dir = Path(target_dir).resolve()
         self.grpc_port = grpc_port or free_port()
+        self.metrics_port = free_port()  # Triton's own metrics, on localhost only
+        while self.metrics_port == self.grpc_port:  # two free ports in a row may coincide
+            self.metrics_port = free_port()
         self.threads = threads
         self.dtype = dtype
         self.startup_timeout_s = startup_timeout_s
@@ -151,6 +154,10 @@ class TritonServer:
     def url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def start(self) -> TritonServer:
         if self._closed:
             raise TritonError("tritonserver was stopped")
@@ -167,7 +174,11 @@ class TritonServer:
             f"--load-model={MODEL_NAME}",
             "--allow-gpu-metrics=false",
             "--allow-http=false",
-            "--allow-metrics=false",
+            # Triton's own Prometheus metrics (queue and compute times, per model) for a scraper
+            # on this host; the gateway's port is the public one.
+            "--allow-metrics=true",
+            "--metrics-address=127.0.0.1",
+            f"--metrics-port={self.metrics_port}",
             f"--grpc-port={self.grpc_port}",
             "--grpc-address=127.0.0.1",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",

@@ -385,6 +385,7 @@ class _Session:
             stats.rounds += 1
             stats.drafted += k
             stats.accepted += v.accepted
+            stats.observe_draft(k, v.accepted, len(chunk))
             stats.draft_ms.append(draft_ms)
             stats.round_ms.append((t2 - t1) * 1e3)
             stats.verify_ms.append(v.timings.verify_ms)

@@ -32,6 +32,17 @@ class GenerationStats:
     batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
     batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
     token_times_s: list[float] = field(default_factory=list)  # commit time of each token
+    # Per draft (a round with k > 0; vLLM's vocabulary, as the gateway's metrics count them):
+    draft_lens: list[int] = field(default_factory=list)  # k
+    accepted_lens: list[int] = field(default_factory=list)  # drafts accepted
+    emitted_lens: list[int] = field(default_factory=list)  # tokens committed (accepted + bonus)
+
+    def observe_draft(self, k: int, accepted: int, emitted: int) -> None:
+        """Records one round's block; rounds without drafts (k = 0) are not drafts."""
+        if k > 0:
+            self.draft_lens.append(k)
+            self.accepted_lens.append(accepted)
+            self.emitted_lens.append(emitted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,12 +56,47 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per draft (vLLM's 1 + accepted / drafts when every draft has a bonus)."""
+        return sum(self.emitted_lens) / len(self.emitted_lens) if self.emitted_lens else 0.0
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """[i]: drafts whose token at position i was accepted."""
+        longest = max(self.draft_lens, default=0)
+        return [sum(a > i for a in self.accepted_lens) for i in range(longest)]
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """[i]: of the drafts with a token at position i, the share whose token there was kept."""
+        reached = [
+            sum(k > i for k in self.draft_lens) for i in range(max(self.draft_lens, default=0))
+        ]
+        return [a / n for a, n in zip(self.accepted_per_position, reached, strict=True)]
+
+    @property
+    def acceptance_histogram(self) -> list[int]:
+        """[a]: drafts with exactly a tokens accepted."""
+        hist = [0] * (max(self.draft_lens, default=0) + 1)
+        for a in self.accepted_lens:
+            hist[a] += 1
+        return hist
+
     def summary(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
         d.update(
             acceptance_rate=self.acceptance_rate,
             tokens_per_round=self.tokens_per_round,
             tokens_per_s=self.tokens_per_s,
+            # vLLM's per-request spec-decode figures
+            num_drafts=len(self.draft_lens),
+            num_emitted_tokens=sum(self.emitted_lens),
+            draft_acceptance_rate=self.acceptance_rate,
+            mean_acceptance_length=self.mean_acceptance_length,
+            accepted_per_position=self.accepted_per_position,
+            acceptance_rate_per_position=self.acceptance_rate_per_position,
+            acceptance_histogram=self.acceptance_histogram,
         )
         return d
 

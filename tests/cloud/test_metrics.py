@@ -1,0 +1,257 @@
+"""Gateway metrics: in-process with fakes for the counting rules, then on real parts (tritonserver,
+`specsplit-cloud serve --metrics-port`, ONNX Runtime) where they must equal the edge's own stats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import urllib.request
+from collections.abc import Sequence
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specsplit.cloud.gateway import start_gateway
+from specsplit.cloud.metrics import GatewayMetrics
+from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.triton import free_port
+from specsplit.cloud.triton_client import VerifyReply
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.generation import GenerationStats
+from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+from tests.fakes import MODEL, NOWHERE, FakeTriton
+
+
+class AcceptsTwo(FakeTriton):
+    """Keeps the first two drafts of every block, then answers token 9."""
+
+    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
+        kept = min(2, len(tokens) - 1)
+        return VerifyReply(
+            accepted=kept, token=9, verify_ms=2.0, roundtrip_ms=3.0, batch_rows=4, batch_sessions=1
+        )
+
+
+def samples(registry_or_text) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from a registry or an exposition text."""
+    if isinstance(registry_or_text, str):
+        families = text_string_to_metric_families(registry_or_text)
+    else:
+        families = registry_or_text.collect()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def value(found: dict, name: str, **labels) -> float:
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@contextlib.asynccontextmanager
+async def gateways(n: int, factory=FakeTriton):
+    started = [await start_gateway(NOWHERE, MODEL, session_factory=factory) for _ in range(n)]
+    try:
+        yield [(f"127.0.0.1:{port}", service) for _, port, service in started]
+    finally:
+        for server, _, service in started:
+            await server.stop(grace=None)
+            await service.close()
+
+
+async def stream(address: str, messages: list[pb.ClientMessage]) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.SpeculativeDecodingStub(channel).Generate(iter(messages), timeout=20)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+
+def start(max_new_tokens: int, version: int = PROTOCOL_VERSION) -> pb.ClientMessage:
+    params = pb.SamplingParams(max_new_tokens=max_new_tokens)
+    return pb.ClientMessage(
+        start=pb.Start(protocol_version=version, prompt_ids=[1, 2, 3], sampling=params)
+    )
+
+
+def draft(base_len: int, tokens: list[int]) -> pb.ClientMessage:
+    return pb.ClientMessage(draft=pb.Draft(round=1, base_len=base_len, tokens=tokens))
+
+
+def test_counters_follow_the_protocol_in_vllm_vocabulary():
+    # Round 1: k=3, two kept + token 9 (3 tokens). Round 2: k=0, token 9 only: length reached.
+    messages = [start(max_new_tokens=4), draft(3, [5, 6, 7]), draft(6, [])]
+
+    async def main():
+        async with gateways(1, AcceptsTwo) as [(address, service)]:
+            assert await stream(address, messages) == grpc.StatusCode.OK
+            return samples(service.metrics.registry)
+
+    m = asyncio.run(main())
+    spec = "specsplit_spec_decode"
+    assert value(m, f"{spec}_num_drafts_total") == 1  # the k=0 round is not a draft
+    assert value(m, f"{spec}_num_draft_tokens_total") == 3
+    assert value(m, f"{spec}_num_accepted_tokens_total") == 2
+    assert value(m, f"{spec}_num_emitted_tokens_total") == 3
+    assert value(m, f"{spec}_num_accepted_tokens_per_pos_total", position="0") == 1
+    assert value(m, f"{spec}_num_accepted_tokens_per_pos_total", position="1") == 1
+    assert value(m, f"{spec}_num_accepted_tokens_per_pos_total", position="2") == 0
+    assert value(m, f"{spec}_acceptance_length_sum") == 3
+    assert value(m, f"{spec}_acceptance_length_bucket", le="2.0") == 0
+    assert value(m, f"{spec}_acceptance_length_bucket", le="3.0") == 1
+    assert value(m, "specsplit_rounds_total", mode="split") == 2
+    assert value(m, "specsplit_tokens_committed_total", mode="split") == 4
+    assert value(m, "specsplit_sessions_total", mode="split", outcome="length") == 1
+    assert value(m, "specsplit_sessions_active") == 0
+    assert value(m, "specsplit_round_verify_seconds_count") == 2
+    assert value(m, "specsplit_round_verify_seconds_sum") == pytest.approx(0.004)
+    assert value(m, "specsplit_target_batch_rows_sum") == 8
+    sent = sum(msg.ByteSize() for msg in messages)
+    assert value(m, "specsplit_received_bytes_total") == sent
+    assert value(m, "specsplit_sent_bytes_total") > 0
+    assert not any(name == "specsplit_errors_total" for name, _ in m)
+
+
+def test_errors_are_counted_by_status_code():
+    async def main():
+        async with gateways(1) as [(address, service)]:
+            bad_version = await stream(address, [start(4, version=99)])
+            bad_base = await stream(address, [start(4), draft(2, [5])])
+            return (bad_version, bad_base), samples(service.metrics.registry)
+
+    codes, m = asyncio.run(main())
+    assert codes == (grpc.StatusCode.FAILED_PRECONDITION,) * 2
+    assert value(m, "specsplit_errors_total", code="FAILED_PRECONDITION") == 2
+    assert value(m, "specsplit_sessions_total", mode="split", outcome="failed_precondition") == 2
+
+
+def test_a_client_that_cancels_is_counted_and_its_stream_closed():
+    async def main():
+        async with gateways(1) as [(address, service)]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=20)
+                await call.write(start(8))
+                assert (await call.read()).WhichOneof("msg") == "started"
+                call.cancel()
+            for _ in range(200):  # the handler notices the cancel asynchronously
+                m = samples(service.metrics.registry)
+                if value(m, "specsplit_sessions_total", mode="split", outcome="client_cancelled"):
+                    break
+                await asyncio.sleep(0.05)
+            return m, service.active
+
+    m, active = asyncio.run(main())
+    assert value(m, "specsplit_sessions_total", mode="split", outcome="client_cancelled") == 1
+    assert value(m, "specsplit_sessions_active") == 0
+    assert active == 0  # the handler's own cleanup ran too
+    assert not any(name == "specsplit_errors_total" for name, _ in m)
+
+
+def test_each_gateway_has_its_own_registry():
+    async def main():
+        async with gateways(2) as [(address, first), (_, second)]:
+            await stream(address, [start(2), draft(3, [5])])
+            return samples(first.metrics.registry), samples(second.metrics.registry)
+
+    first, second = asyncio.run(main())
+    assert value(first, "specsplit_spec_decode_num_drafts_total") == 1
+    assert value(second, "specsplit_spec_decode_num_drafts_total") == 0
+
+
+def test_replicas_are_reported_from_the_health_watch():
+    async def main():
+        async with gateways(1) as [(_, service)]:
+            return samples(service.metrics.registry)
+
+    m = asyncio.run(main())  # NOWHERE has no Triton: down
+    assert ("specsplit_triton_replicas_up", ()) in m
+    assert value(m, "specsplit_triton_replicas_up") == 0
+    assert ("specsplit_triton_replica_up", (("replica", NOWHERE),)) in m
+    assert value(m, "specsplit_triton_replica_up", replica=NOWHERE) == 0
+
+
+def test_metrics_without_replicas_still_register():
+    assert value(samples(GatewayMetrics().registry), "specsplit_sessions_active") == 0
+
+
+def test_edge_per_request_spec_decode_fields():
+    s = GenerationStats(mode="split")
+    for k, accepted, emitted in [(3, 3, 4), (3, 1, 2), (2, 0, 1), (0, 0, 1)]:
+        s.observe_draft(k, accepted, emitted)
+    out = s.summary()
+    assert out["num_drafts"] == 3
+    assert out["num_emitted_tokens"] == 7
+    assert out["mean_acceptance_length"] == pytest.approx(7 / 3)
+    assert out["accepted_per_position"] == [2, 1, 1]
+    assert out["acceptance_rate_per_position"] == [2 / 3, 1 / 3, 1 / 2]
+    assert out["acceptance_histogram"] == [1, 1, 0, 1]
+
+
+# --- real parts -------------------------------------------------------------------------------
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+async def generate(address, drafter, prompt, mode, **cfg):
+    async with SplitClient(address, drafter) as client:
+        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        await gen.collect()
+        return gen.stats
+
+
+@pytest.mark.slow
+def test_counters_equal_the_clients_stats_on_real_parts(tiny, tmp_path):
+    port = free_port()
+    args = ("--target", str(tiny.target), "--metrics-port", str(port))
+    same, unrelated = OnnxDrafter(tiny.target_onnx), OnnxDrafter(tiny.draft_onnx)
+    # The target as its own draft accepts everything, the unrelated draft next to nothing.
+    runs = (([1, 2, 3], same, 4), ([42, 7], unrelated, 3))
+    with CloudProcess(*args, log_dir=tmp_path) as cloud:
+        split = [
+            asyncio.run(generate(cloud.address, d, p, "split", max_new_tokens=21, draft_tokens=k))
+            for p, d, k in runs
+        ]
+        only = asyncio.run(generate(cloud.address, None, [5, 6], "cloud-only", max_new_tokens=5))
+        m = samples(scrape(f"http://127.0.0.1:{port}/metrics"))
+        triton = re.search(
+            r"triton \S+ metrics on (http://127\.0\.0\.1:\d+/metrics)", cloud.log_path.read_text()
+        )
+        assert triton, "serve must report Triton's own metrics address"
+        triton_text = scrape(triton[1])
+    spec = "specsplit_spec_decode"
+    assert value(m, f"{spec}_num_draft_tokens_total") == sum(s.drafted for s in split)
+    assert value(m, f"{spec}_num_accepted_tokens_total") == sum(s.accepted for s in split)
+    summaries = [s.summary() for s in split]
+    assert value(m, f"{spec}_num_drafts_total") == sum(s["num_drafts"] for s in summaries)
+    assert value(m, f"{spec}_num_emitted_tokens_total") == sum(
+        s["num_emitted_tokens"] for s in summaries
+    )
+    for pos in range(4):
+        assert value(m, f"{spec}_num_accepted_tokens_per_pos_total", position=str(pos)) == sum(
+            s["accepted_per_position"][pos]
+            for s in summaries
+            if pos < len(s["accepted_per_position"])
+        )
+    assert 0 < sum(s.accepted for s in split) < sum(s.drafted for s in split)
+    assert value(m, "specsplit_tokens_committed_total", mode="split") == sum(
+        s.new_tokens for s in split
+    )
+    assert value(m, "specsplit_rounds_total", mode="split") == sum(s.rounds for s in split)
+    assert value(m, "specsplit_tokens_committed_total", mode="cloud_only") == only.new_tokens
+    assert value(m, "specsplit_rounds_total", mode="cloud_only") == only.rounds
+    assert value(m, "specsplit_sessions_total", mode="split", outcome="length") == 2
+    assert value(m, "specsplit_sessions_total", mode="cloud_only", outcome="length") == 1
+    assert value(m, "specsplit_received_bytes_total") == sum(s.bytes_up for s in [*split, only])
+    assert value(m, "specsplit_sent_bytes_total") == sum(s.bytes_down for s in [*split, only])
+    assert value(m, "specsplit_triton_replicas_up") == 1
+    assert value(m, "specsplit_round_verify_seconds_count") == sum(s.rounds for s in [*split, only])
+    # Triton's own metrics are on (localhost): it counted our requests to the target.
+    assert re.search(
+        r'nv_inference_request_success\{model="target",version="1"\} [1-9]', triton_text
+    )

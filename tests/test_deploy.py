@@ -1,0 +1,167 @@
+"""deploy/: the kustomize tree renders offline and agrees with the code (ports, flags, probes);
+the Grafana dashboard and the HPA only name metrics the gateway exports; the Dockerfile installs
+what pyproject says the cloud needs. Nothing here can build an image or reach a cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from specsplit.cloud.cli import _parser
+from specsplit.cloud.metrics import GatewayMetrics
+from specsplit.cloud.triton import BundledTriton, TritonError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[tuple[str, str], dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "k8s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    objects = [o for o in yaml.safe_load_all(out) if o]
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def container(objects, deployment: str) -> dict:
+    [c] = objects["Deployment", deployment]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def port(c: dict, name: str) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+def service_port(objects, service: str, name: str) -> dict:
+    return next(p for p in objects["Service", service]["spec"]["ports"] if p["name"] == name)
+
+
+def test_kinds(rendered):
+    kinds = sorted(kind for kind, _ in rendered)
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Deployment"] + [
+        "PersistentVolumeClaim",
+        "Service",
+        "Service",
+        "Service",
+    ]
+    for (kind, name), obj in rendered.items():
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "specsplit", (kind, name)
+
+
+def test_gateway_flags_parse_and_match_the_code_defaults(rendered):
+    gw = container(rendered, "specsplit-gateway")
+    assert gw["command"][0] == "specsplit-cloud"
+    args = _parser().parse_args(gw["command"][1:])  # a misspelt flag fails here
+    default = _parser().parse_args(["serve"])
+    assert args.port == default.port == 50051 == port(gw, "grpc")
+    assert args.metrics_port == port(gw, "metrics")
+    svc = rendered["Service", "specsplit-gateway"]
+    assert service_port(rendered, "specsplit-gateway", "grpc")["port"] == args.port
+    assert service_port(rendered, "specsplit-gateway", "metrics")["port"] == args.metrics_port
+    assert svc["metadata"]["annotations"]["prometheus.io/port"] == str(args.metrics_port)
+    assert args.host == "0.0.0.0"
+    # --triton-url names the Triton Service at its gRPC port (comma-separated when several).
+    host, _, tport = args.triton_url.partition(":")
+    assert ("Service", host) in rendered
+    assert service_port(rendered, host, "grpc")["port"] == int(tport)
+
+
+def test_probes_are_grpc_health_on_the_serving_ports(rendered):
+    for name in ("specsplit-gateway", "specsplit-triton"):
+        c = container(rendered, name)
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == port(c, "grpc"), (name, probe)
+
+
+def test_triton_flags_match_its_service_and_the_bundled_binary(rendered):
+    c = container(rendered, "specsplit-triton")
+    assert c["command"][0] == "tritonserver"
+    flags = dict(a.removeprefix("--").split("=", 1) for a in c["command"][1:])
+    assert int(flags["grpc-port"]) == port(c, "grpc")
+    assert int(flags["metrics-port"]) == port(c, "metrics")
+    assert service_port(rendered, "specsplit-triton", "grpc")["port"] == port(c, "grpc")
+    assert flags["load-model"] == "target"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e["value"] for e in c["env"]}
+    gw_args = _parser().parse_args(container(rendered, "specsplit-gateway")["command"][1:])
+    assert env["SPECSPLIT_TARGET_DIR"] == gw_args.target  # both read the same model directory
+    try:
+        bundled = BundledTriton.find()
+    except TritonError:
+        return  # no tritonserver here: the flags' spelling goes unchecked
+    help_text = subprocess.run(
+        [str(bundled.binary), "--help"],
+        capture_output=True,
+        text=True,
+        env=bundled.environment(),
+        timeout=60,
+    )
+    for flag in flags:
+        assert f"--{flag} " in help_text.stdout + help_text.stderr, flag
+
+
+def test_envoy_routes_to_the_gateways(rendered):
+    [(_, cm_name)] = [k for k in rendered if k[0] == "ConfigMap"]
+    volumes = rendered["Deployment", "specsplit-envoy"]["spec"]["template"]["spec"]["volumes"]
+    assert volumes[0]["configMap"]["name"] == cm_name  # kustomize's hashed name, rewritten
+    config = yaml.safe_load(rendered["ConfigMap", cm_name]["data"]["envoy.yaml"])
+    assert config == yaml.safe_load((DEPLOY / "k8s" / "envoy.yaml").read_text())
+    [listener] = config["static_resources"]["listeners"]
+    [cluster] = config["static_resources"]["clusters"]
+    [lb] = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address = lb["endpoint"]["address"]["socket_address"]
+    assert ("Service", address["address"]) in rendered
+    assert rendered["Service", address["address"]]["spec"]["clusterIP"] == "None"  # per-pod
+    assert address["port_value"] == service_port(rendered, "specsplit-gateway", "grpc")["port"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    [route] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["timeout"] == "0s", "a route timeout would cut long generations"
+    envoy = container(rendered, "specsplit-envoy")
+    assert listener["address"]["socket_address"]["port_value"] == port(envoy, "grpc")
+    assert service_port(rendered, "specsplit", "grpc")["targetPort"] == "grpc"
+
+
+def exported_names() -> set[str]:
+    names = set()
+    no_replicas = SimpleNamespace(replicas=[], up=0)
+    for family in GatewayMetrics(no_replicas).registry.collect():
+        names |= {family.name + s for s in ("", "_total", "_bucket", "_sum", "_count")}
+    return names
+
+
+def test_dashboard_and_hpa_name_only_exported_metrics():
+    names = exported_names()
+    dashboard = json.loads((DEPLOY / "grafana" / "specsplit-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"specsplit_\w+", e)}
+    assert len(used) >= 15
+    assert used <= names, used - names
+    hpa = yaml.safe_load((DEPLOY / "k8s" / "hpa.yaml").read_text())
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "specsplit-gateway"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in names
+
+
+def test_dockerfile_installs_the_cloud_dependencies():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["cloud"]
+    wanted = [d for d in wanted if not d.startswith("nvidia-pytriton")]  # the image has Triton
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    installed = set(re.findall(r'"([^"]+)"', dockerfile)) | set(
+        re.findall(r"\\\n\s+.*?\b(torch)\b", dockerfile)
+    )
+    assert set(wanted) <= installed, set(wanted) - installed
