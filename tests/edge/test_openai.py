@@ -189,7 +189,8 @@ def test_stop_string_ends_the_generation_early(serve, tiny, codec, cloud, stream
     cut = full[: full.find(stop)]
     # max_tokens as long as the tiny context allows: run to the end, it would take many seconds
     many = 900
-    r = chat(serve.client(), temperature=0, max_tokens=many, stop=["\x00never", stop], stream=stream)
+    stops = ["\x00never", stop]
+    r = chat(serve.client(), temperature=0, max_tokens=many, stop=stops, stream=stream)
     if stream:
         chunks = [c for c in r if c.choices]
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
