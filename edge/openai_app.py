@@ -231,6 +231,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         message, param = _validation_message(e)  # OpenAI answers 400 where FastAPI says 422
         return _error_response(APIError(400, message, param=param))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        return _error_response(api_error(e))  # e.g. a drafter that failed to load
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"

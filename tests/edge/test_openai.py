@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -126,6 +127,15 @@ def chat(client, prompt=PROMPT, **kw):
     return client.chat.completions.create(model="any", messages=messages, **kw)
 
 
+def assert_sessions_freed(cloud) -> None:
+    """The cloud holds no session within 5 s (the tiny pair runs 900 tokens in far longer)."""
+    for _ in range(50):
+        if triton_sessions(cloud.triton_url) == 0:
+            return
+        time.sleep(0.1)
+    assert triton_sessions(cloud.triton_url) == 0
+
+
 def test_models_lists_the_served_model(serve):
     assert [m.id for m in serve.client().models.list()] == ["specsplit"]
 
@@ -200,11 +210,15 @@ def test_stop_string_ends_the_generation_early(serve, tiny, codec, cloud, stream
     assert text == cut and finish == "stop"
     assert spec["finish"] == "STOP_STRING" and spec["new_tokens"] < 40
     # The stream was cancelled, not run to `many` tokens: the cloud freed its session at once.
-    for _ in range(20):
-        if triton_sessions(cloud.triton_url) == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
-    assert triton_sessions(cloud.triton_url) == 0
+    assert_sessions_freed(cloud)
+
+
+def test_client_gone_mid_stream_frees_the_session(serve, cloud):
+    stream = chat(serve.client(), temperature=0, max_tokens=900, stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)  # the role, then the first text
+    stream.close()
+    assert_sessions_freed(cloud)
 
 
 def test_sampling_with_a_seed_repeats(serve):
