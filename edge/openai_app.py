@@ -210,18 +210,7 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {first['msg']}" if param else first["msg"]), param
 
 
-def create_app(cfg: ServeConfig) -> FastAPI:
-    endpoint = Endpoint(cfg)  # loads the tokenizer now: a wrong --draft fails before binding
-    created = int(time.time())
-    card = {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "specsplit"}
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        await endpoint.pool.close()
-
-    app = FastAPI(title="specsplit edge", lifespan=lifespan, docs_url=None, redoc_url=None)
-
+def _answer_errors_as_openai(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return _error_response(e)
@@ -239,6 +228,21 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def _http(request: Request, e: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return _error_response(APIError(e.status_code, str(e.detail), kind))
+
+
+def create_app(cfg: ServeConfig) -> FastAPI:
+    endpoint = Endpoint(cfg)  # loads the tokenizer now: a wrong --draft fails before binding
+    created = int(time.time())
+    card = {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "specsplit"}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await endpoint.pool.close()
+
+    app = FastAPI(title="specsplit edge", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    _answer_errors_as_openai(app)
 
     @app.get("/v1/models")
     async def models() -> dict:
