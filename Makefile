@@ -15,7 +15,8 @@ MAX_TOKENS ?= 96
 TEMPERATURE ?= 0
 K ?= 4
 
-.PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick clean
+.PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick clean \
+	node-client
 
 setup: $(STAMP)
 
@@ -40,8 +41,16 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: setup lint
+# The Node client's test runs where npm is installed (its packages first), and skips elsewhere.
+test: setup lint $(if $(shell command -v npm),node-client)
 	$(VENV)/bin/pytest -q
+
+# clients/node's packages, exactly as its package-lock.json pins them (npm writes the stamp).
+NODE_STAMP := clients/node/node_modules/.package-lock.json
+node-client: $(NODE_STAMP)
+
+$(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm ci --no-audit --no-fund
 
 demo: setup
 	$(PY) -m bench.demo $(if $(PROMPT),--prompt "$(PROMPT)") --max-new-tokens $(MAX_TOKENS) \
@@ -61,4 +70,4 @@ bench-load-quick: setup
 	$(PY) -m bench.load --quick
 
 clean:
-	rm -rf $(STUBS) $(STAMP) .pytest_cache .ruff_cache .hypothesis build dist
+	rm -rf $(STUBS) $(STAMP) .pytest_cache .ruff_cache .hypothesis build dist clients/node/node_modules

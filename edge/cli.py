@@ -112,6 +112,30 @@ async def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    if args.concurrency < 1 or args.draft_tokens < 0 or args.retry_window < 0:
+        raise SystemExit(
+            "specsplit-edge: --concurrency must be >= 1, --draft-tokens and --retry-window >= 0"
+        )
+    from specsplit.edge.openai_app import ServeConfig
+    from specsplit.edge.serve import run_server
+
+    tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    cfg = ServeConfig(
+        server=args.server,
+        draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision),
+        model_name=args.model_name or args.model or "specsplit",
+        mode=args.mode,
+        concurrency=args.concurrency,
+        generation=GenerationConfig(
+            draft_tokens=args.draft_tokens, model=args.model, retry_window_s=args.retry_window
+        ),
+        threads=args.threads,
+        client=dict(token=args.token, **tls),
+    )
+    return run_server(cfg, args.host, args.port, verbose=args.verbose)
+
+
 def _pull(args) -> int:
     print(ensure_draft_onnx(args.draft, args.precision, progress=True))
     return 0
@@ -139,20 +163,54 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text (split, cloud-only or edge-only)")
-    g.add_argument("--server", default="127.0.0.1:50051", help="gateway HOST:PORT")
-    g.add_argument("--tls", action="store_true", help="connect with TLS (the system's CA roots)")
-    g.add_argument("--tls-ca", help="PEM CA of the server's certificate (implies --tls)")
-    g.add_argument("--tls-cert", help="PEM client certificate, for a server that requires mTLS")
-    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    g.add_argument(
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (the system's CA roots)")
+    p.add_argument("--tls-ca", help="PEM CA of the server's certificate (implies --tls)")
+    p.add_argument("--tls-cert", help="PEM client certificate, for a server that requires mTLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
         "--token",
         default=os.environ.get("SPECSPLIT_TOKEN"),
         help="bearer token for the gateway (default: $SPECSPLIT_TOKEN)",
     )
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the OpenAI API (chat, completions) over the split")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    _add_connection_args(s)
+    _add_draft_args(s)
+    s.add_argument("--mode", choices=("split", "cloud-only"), default="split")
+    s.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="generations at once, each with its own drafter (loaded on first use); "
+        "more requests wait (default 4)",
+    )
+    s.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per round")
+    s.add_argument("--model", default="", help="target model name at the cloud (default: its own)")
+    s.add_argument(
+        "--model-name", help="the model id /v1/models lists (default: --model, else specsplit)"
+    )
+    s.add_argument(
+        "--retry-window",
+        type=float,
+        default=DEFAULT_WINDOW_S,
+        help="seconds to keep re-opening after UNAVAILABLE before answering 503 "
+        f"(default {DEFAULT_WINDOW_S:.0f})",
+    )
+    s.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per drafter")
+    s.add_argument("-v", "--verbose", action="store_true")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text (split, cloud-only or edge-only)")
+    _add_connection_args(g)
     _add_draft_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenised with the draft's tokenizer)")
@@ -181,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _add_serve_parser(sub)
     p = sub.add_parser("pull", help="fetch and export the draft ahead of time (with progress)")
     _add_draft_args(p)
     p.set_defaults(draft=DEFAULT_DRAFT)
@@ -198,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "pull":
             return _pull(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.max_new_tokens < 1 or args.draft_tokens < 0:
             raise SystemExit("specsplit-edge: --max-new-tokens must be >= 1, --draft-tokens >= 0")
         return asyncio.run(_generate(args))

@@ -43,14 +43,19 @@ class TextCodec:
 
     def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
         """Token ids of a one-turn chat, rendered with the model's chat template."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user}
+        ]
+        return self.chat_ids(messages)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation (``[{"role", "content"}, ...]``) rendered with the model's
+        chat template, ending with the prompt for the assistant's turn."""
         template = self.chat_template
         if not template:
             raise ValueError("this tokenizer has no chat template; use a plain prompt")
         import jinja2
 
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": user}
-        ]
         try:
             text = _compile_template(template).render(
                 messages=messages,

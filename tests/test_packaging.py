@@ -82,6 +82,7 @@ def test_edge_extra_works_without_torch(dist, cloud, tiny, tmp_path):
         "from specsplit import GenerationConfig, OnnxDrafter, SpecsplitError, SplitClient\n"
         "from specsplit import TextCodec\n"
         "import specsplit.edge.cli\n"
+        "import specsplit.edge.openai_app\n"  # serve: FastAPI and uvicorn come with the extra
         "absent = ('torch', 'transformers', 'onnx', 'rich')\n"
         "assert not [m for m in absent if importlib.util.find_spec(m)], 'installed'\n"
         "assert not [m for m in absent if m in sys.modules], 'imported'\n"
