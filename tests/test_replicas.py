@@ -46,7 +46,7 @@ async def _generate_all(address, drafter_dir, prompts, on_tokens=None) -> list[l
     return await asyncio.gather(*(one(p, h) for p, h in zip(prompts, hooks, strict=True)))
 
 
-def _inferences_once_back(url: str, timeout_s: float = 60.0) -> int:
+def _inferences_once_back(url: str, timeout_s: float = 180.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
