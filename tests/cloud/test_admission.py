@@ -183,3 +183,19 @@ def test_gateway_quota_per_token():
     refused = asyncio.run(run())
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "quota of 1" in refused.details() and "t1" not in refused.details()
+
+
+def test_serve_flags_build_the_admission(tmp_path):
+    from specsplit.cloud.cli import _admission, _parser
+
+    model = make_tiny_qwen2(tmp_path / "tiny", seed=0)
+    args = _parser().parse_args(["serve", "--kv-budget-mib", "2", "--sessions-per-token", "3"])
+    admission = _admission(args, model)
+    assert admission.budget_bytes == 2 * MIB and admission.per_client == 3
+    assert admission.kv == KV
+    default = _admission(_parser().parse_args(["serve"]), model)
+    assert default.budget_bytes > 0 and default.per_client is None
+    with pytest.raises(ValueError, match="kv-budget-mib"):
+        _admission(_parser().parse_args(["serve", "--kv-budget-mib", "0"]), model)
+    with pytest.raises(ValueError, match="sessions per token"):
+        _admission(_parser().parse_args(["serve", "--sessions-per-token", "0"]), model)
