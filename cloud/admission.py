@@ -84,7 +84,7 @@ class Refused(Exception):
         return ((RETRY_PUSHBACK_KEY, ms), (RETRY_AFTER_KEY, ms))
 
 
-@dataclass
+@dataclass(eq=False)  # tickets are told apart by identity, never by their fields
 class Ticket:
     """One stream's claim: its quota place and, once its Start is admitted, its KV bytes.
     Each is given back once, whatever calls ``leave``/``free`` and however often."""
