@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from specsplit.cloud.admission import Admission, KVShape, default_budget_bytes
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
 from specsplit.cloud.limits import Limits
 from specsplit.cloud.metrics import serve_metrics
@@ -79,6 +80,18 @@ def _start_metrics(args: argparse.Namespace, registry):
     return server
 
 
+def _admission(args: argparse.Namespace, target: Path) -> Admission:
+    kv = KVShape.from_dir(target, args.dtype)
+    if args.kv_budget_mib is None:
+        budget = default_budget_bytes()
+    elif args.kv_budget_mib > 0:
+        budget = int(args.kv_budget_mib * 2**20)
+    else:
+        raise ValueError("--kv-budget-mib must be > 0")
+    log.info("KV budget %.0f MiB at %d bytes a token", budget / 2**20, kv.bytes_per_token)
+    return Admission(kv, budget, per_client=args.sessions_per_token)
+
+
 async def serve(args: argparse.Namespace) -> int:
     security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
     if args.replicas < 1:
@@ -91,6 +104,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError("--metrics-port must be in [0, 65535]")
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.model_name)
+    admission = _admission(args, target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -131,6 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
             limits=limits,
             security=security,
             failover_wait_s=args.failover_wait,
+            admission=admission,
         )
         metrics = _start_metrics(args, service.metrics.registry)
         print(
@@ -195,6 +210,18 @@ def _parser() -> argparse.ArgumentParser:
         help="target precision (auto: float32 on CPU, bfloat16 on GPU)",
     )
     s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
+    s.add_argument(
+        "--sessions-per-token",
+        type=int,
+        help="concurrent sessions one bearer token may hold (without --auth-tokens: one client "
+        "address); default: no quota",
+    )
+    s.add_argument(
+        "--kv-budget-mib",
+        type=float,
+        help="KV memory the target may hold for admitted sessions; each reserves what it can "
+        "grow to (default: half of this host's available memory)",
+    )
     s.add_argument(
         "--start-deadline",
         type=float,

@@ -19,6 +19,7 @@ import grpc
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specsplit.cloud.admission import Admission, Refused, Ticket, client_key
 from specsplit.cloud.identity import ModelIdentity
 from specsplit.cloud.lease import Lease
 from specsplit.cloud.limits import (
@@ -31,7 +32,7 @@ from specsplit.cloud.limits import (
 )
 from specsplit.cloud.metrics import GatewayMetrics
 from specsplit.cloud.replicas import ReplicaSet, parse_urls
-from specsplit.cloud.security import Security
+from specsplit.cloud.security import Security, bearer_token
 from specsplit.cloud.session import (
     Code,
     Commit,
@@ -70,8 +71,12 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         model: ModelIdentity,
         limits: Limits | None = None,
         session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
+        admission: Admission | None = None,
+        quota_by_token: bool = False,  # the port requires tokens: quotas count tokens, not peers
     ):
         self.replicas = replicas
+        self.admission = admission or Admission()
+        self.quota_by_token = quota_by_token
         self.session_factory = session_factory  # tests pass fakes
         self.model = model
         self.limits = limits or Limits()
@@ -87,12 +92,18 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             await asyncio.wait(self._closing, timeout=10)
         await self.replicas.close()
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: Lease, ticket: Ticket) -> None:
         # Freeing the Triton session runs in its own task: a client that cancels the call right
         # after Finished (or mid-generation) cancels this handler, and must not leak the KV cache.
+        # Its KV reservation ends when Triton has freed the cache, not before.
         task = asyncio.create_task(lease.release())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        task.add_done_callback(lambda _: ticket.free())
+
+    def _client(self, context) -> str | None:
+        token = bearer_token(context.invocation_metadata()) if self.quota_by_token else None
+        return client_key(token, context.peer(), self.quota_by_token)
 
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
         if self.active >= self.limits.max_sessions:
@@ -102,11 +113,20 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 f"server at its limit of {self.limits.max_sessions} sessions; retry in a few "
                 "seconds, or on another replica",
             )
+        try:
+            ticket = self.admission.enter(self._client(context))
+        except Refused as e:
+            await before_refusing(request_iterator)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
         self.active += 1
         triton = Lease(self.replicas, self.session_factory)
         try:
-            async for msg in self._generate(request_iterator, triton):
+            async for msg in self._generate(request_iterator, triton, ticket):
                 yield msg
+        except Refused as e:  # the Start was received: the client reads this status
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.trailing_metadata()
+            )
         except ProtocolError as e:
             await context.abort(_STATUS[e.code], e.message)
         except SessionLost as e:  # lost again right after a re-open: Triton is restarting
@@ -124,9 +144,10 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"inference server error: {e}")
         finally:
             self.active -= 1
-            self._release(triton)
+            ticket.leave()
+            self._release(triton, ticket)
 
-    async def _generate(self, requests, triton: Lease):
+    async def _generate(self, requests, triton: Lease, ticket: Ticket):
         it = requests.__aiter__()
         first = await next_message(it, self.limits.start_timeout_s, "Start")
         if first is None:
@@ -134,6 +155,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if first.WhichOneof("msg") != "start":
             raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
         session = self._open(first.start)
+        ticket.reserve(len(session.prompt) + session.max_new_tokens)
         speculative = not first.start.cloud_only
         await triton.start(
             session.prompt, session.sampling, session.mode, session.seed, speculative
@@ -319,6 +341,7 @@ async def start_gateway(
     security: Security | None = None,
     session_factory: Callable[[aioclient.InferenceServerClient], TritonSession] = TritonSession,
     failover_wait_s: float = 30.0,
+    admission: Admission | None = None,
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
     """Starts the gateway in front of one Triton or several (``host:port`` each); returns
     (server, bound port, service). Port 0 picks a free port."""
@@ -326,7 +349,9 @@ async def start_gateway(
     urls = parse_urls(triton_url) if isinstance(triton_url, str) else list(triton_url)
     replicas = ReplicaSet(urls, failover_wait_s=failover_wait_s)
     server = grpc.aio.server(interceptors=security.interceptors(), options=limits.server_options())
-    service = SpeculativeService(replicas, model, limits, session_factory)
+    service = SpeculativeService(
+        replicas, model, limits, session_factory, admission, security.tokens is not None
+    )
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -55,7 +55,9 @@ class KVSlots:
         """Makes room for ``length`` positions, keeping what the slot holds."""
         if length <= slot.capacity:
             return
-        capacity = max(length, 2 * slot.capacity)
+        capacity = slot.capacity
+        while capacity < length:
+            capacity *= 2
         grown = self._alloc(capacity)
         grown[:, :, :, : slot.length] = slot.kv[:, :, :, : slot.length]
         slot.kv = grown

@@ -1,0 +1,214 @@
+"""Who may open a session now: per-token quotas and the target's KV memory budget (DESIGN §8).
+
+A bare session count admits 64 one-token prompts and 64 max_context ones alike, though the
+second set holds orders of magnitude more KV memory in Triton. So every admitted session
+reserves the KV bytes it can grow to, computed exactly as the target allocates them
+(``cloud.kv_slots``): a slot starts at 64 positions and doubles, each position holding keys and
+values of every layer. A session needs at most prompt + max_new_tokens committed positions
+(capped at max_context) plus one verification block in flight. The budget is the sum the
+target may hold; a Start that would exceed it is refused with RESOURCE_EXHAUSTED and a retry
+hint, and its reservation is released exactly once, however the session ends.
+
+A quota caps the streams one client holds at once: one bearer token when the port requires
+tokens, else one peer address. The token itself is never stored or logged, only a digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MIN_SLOT = 64  # kv_slots._MIN_CAPACITY: a fresh slot's positions
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's own retry policy honours it (gRFC A6)
+RETRY_AFTER_KEY = "retry-after-ms"  # the same hint for clients that retry by hand
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def slot_positions(length: int) -> int:
+    """Positions a KV slot holds once it has grown to ``length`` (KVSlots.reserve: 64, doubled
+    until it fits)."""
+    if length <= MIN_SLOT:
+        return MIN_SLOT
+    return MIN_SLOT << ((length - 1) // MIN_SLOT).bit_length()
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one position of a session's KV slot costs: layers x 2 (K, V) x kv heads x head dim."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, dtype: str = "auto") -> KVShape:
+        """From a Hugging Face config.json. ``auto`` counts float32 (the target's choice on CPU;
+        on GPU it picks bfloat16, so the reservation is then twice what is held: conservative)."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        text = config.get("text_config", config)  # multimodal configs nest the LM's
+        heads = int(text["num_attention_heads"])
+        head_dim = text.get("head_dim") or int(text["hidden_size"]) // heads
+        return cls(
+            layers=int(text["num_hidden_layers"]),
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            dtype_bytes=DTYPE_BYTES.get(dtype, 4),
+        )
+
+
+class Refused(Exception):
+    """A stream refused with RESOURCE_EXHAUSTED; ``retry_after_ms`` None: no point retrying
+    here soon (the quota is the client's own streams)."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.retry_after_ms is None:
+            return ()
+        ms = str(self.retry_after_ms)
+        return ((RETRY_PUSHBACK_KEY, ms), (RETRY_AFTER_KEY, ms))
+
+
+@dataclass(eq=False)  # tickets are told apart by identity, never by their fields
+class Ticket:
+    """One stream's claim: its quota place and, once its Start is admitted, its KV bytes.
+    Each is given back once, whatever calls ``leave``/``free`` and however often."""
+
+    admission: Admission
+    client: str | None
+    kv_bytes: int = 0
+    opened: float = field(default_factory=time.monotonic)
+    _left: bool = False
+
+    def reserve(self, tokens: int) -> None:
+        """Reserves the KV memory of a session that can grow to ``tokens`` positions."""
+        self.admission._reserve(self, tokens)
+
+    def leave(self) -> None:
+        """The stream ended: its quota place is free."""
+        if not self._left:
+            self._left = True
+            self.admission._leave(self)
+
+    def free(self) -> None:
+        """Triton freed the session: its KV bytes are free."""
+        if self.kv_bytes:
+            self.admission._free(self)
+
+
+class Admission:
+    """Accounting only (no I/O, no gRPC): the gateway asks, Refused says no."""
+
+    def __init__(
+        self,
+        kv: KVShape | None = None,
+        budget_bytes: int | None = None,
+        per_client: int | None = None,
+        max_block: int = 16,
+    ):
+        if budget_bytes is not None and kv is None:
+            raise ValueError("a KV budget needs the model's KV shape")
+        if per_client is not None and per_client < 1:
+            raise ValueError("sessions per token must be >= 1")
+        self.kv, self.budget_bytes, self.per_client = kv, budget_bytes, per_client
+        self.max_block = max_block  # a verification block in flight also takes positions
+        self.reserved_bytes = 0
+        self.streams: Counter[str] = Counter()
+        self.live: list[Ticket] = []  # admitted sessions, oldest first
+        self.mean_session_s = 1.0  # learnt from sessions that ended; seeds the retry hint
+
+    def kv_bytes(self, tokens: int) -> int:
+        if self.kv is None:
+            return 0
+        return slot_positions(tokens + self.max_block) * self.kv.bytes_per_token
+
+    def enter(self, client: str | None) -> Ticket:
+        """A new stream from ``client`` (a digest or an address; None: no quota applies)."""
+        if self.per_client is not None and client is not None:
+            if self.streams[client] >= self.per_client:
+                raise Refused(
+                    f"this client already holds {self.streams[client]} sessions, its quota of "
+                    f"{self.per_client}; finish one before opening another"
+                )
+            self.streams[client] += 1
+        return Ticket(self, client if self.per_client is not None else None)
+
+    def _reserve(self, ticket: Ticket, tokens: int) -> None:
+        need = self.kv_bytes(tokens)
+        if self.budget_bytes is not None and self.reserved_bytes + need > self.budget_bytes:
+            wait_ms = self.retry_after_ms()
+            free = max(self.budget_bytes - self.reserved_bytes, 0)
+            raise Refused(
+                f"KV memory budget full: this session needs {need / 2**20:.1f} MiB "
+                f"({tokens} tokens), {free / 2**20:.1f} of {self.budget_bytes / 2**20:.1f} MiB "
+                f"free; retry in {wait_ms} ms, with a shorter max_new_tokens, or on another "
+                "replica",
+                retry_after_ms=wait_ms,
+            )
+        ticket.kv_bytes = need
+        ticket.opened = time.monotonic()
+        self.reserved_bytes += need
+        self.live.append(ticket)
+
+    def _free(self, ticket: Ticket) -> None:
+        self.reserved_bytes -= ticket.kv_bytes
+        ticket.kv_bytes = 0
+        self.live.remove(ticket)
+        lasted = time.monotonic() - ticket.opened
+        self.mean_session_s = 0.9 * self.mean_session_s + 0.1 * lasted
+
+    def _leave(self, ticket: Ticket) -> None:
+        if ticket.client is not None:
+            self.streams[ticket.client] -= 1
+            if self.streams[ticket.client] <= 0:
+                del self.streams[ticket.client]
+
+    def retry_after_ms(self, floor_ms: int = 100, ceiling_ms: int = 30_000) -> int:
+        """When a reservation is likely to end: the oldest live session's expected end, by the
+        mean length of recent sessions."""
+        if not self.live:
+            return floor_ms
+        due = self.live[0].opened + self.mean_session_s - time.monotonic()
+        return int(min(max(due * 1e3, floor_ms), ceiling_ms))
+
+
+def client_key(token: bytes | None, peer: str | None, by_token: bool) -> str | None:
+    """Whom a quota counts: a digest of the bearer token when the port requires tokens, else
+    the peer's address without its port (``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4``)."""
+    if by_token:
+        return None if token is None else "token:" + hashlib.sha256(token).hexdigest()[:16]
+    if not peer:
+        return None
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
+def default_budget_bytes(fraction: float = 0.5) -> int:
+    """Half of this host's available memory: the target's KV on CPU lives in host memory next
+    to its weights, which are loaded before the gateway starts."""
+    pages = _meminfo_kib("MemAvailable")
+    return int(pages * 1024 * fraction) if pages else 8 << 30
+
+
+def _meminfo_kib(key: str) -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,201 @@
+"""Admission by KV memory and per-token quotas: the accounting, and the gateway's use of it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import grpc
+import pytest
+import torch
+
+from specsplit.cloud.admission import (
+    RETRY_AFTER_KEY,
+    RETRY_PUSHBACK_KEY,
+    Admission,
+    KVShape,
+    Refused,
+    client_key,
+    slot_positions,
+)
+from specsplit.cloud.kv_slots import KVSlots
+from specsplit.cloud.security import Security
+from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+from specsplit.shared.tiny import make_tiny_qwen2
+from tests.fakes import gateway
+
+KV = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # the tiny test model: 512 B
+MIB = 2**20
+
+
+def test_bytes_per_token_match_the_targets_slots(tmp_path):
+    model = make_tiny_qwen2(tmp_path / "tiny", seed=0)
+    shape = KVShape.from_dir(model)
+    slots = KVSlots(shape.layers, shape.kv_heads, shape.head_dim, torch.float32, "cpu")
+    assert shape == KV
+    assert shape.bytes_per_token == slots.bytes_per_token
+    assert KVShape.from_dir(model, "bfloat16").bytes_per_token == slots.bytes_per_token // 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reservation_is_what_a_slot_grows_to(seed):
+    """Prefill in chunks of up to 256, then verification blocks of 1..17 positions: the slot
+    ends exactly as large as the admission reserved for its longest length."""
+    rng = random.Random(seed)
+    slots = KVSlots(2, 2, 16, torch.float32, torch.device("cpu"))
+    slot = slots.open(1)
+    length = 0
+    for step in range(rng.randrange(1, 60)):
+        length += rng.randrange(1, 257) if step < 3 else rng.randrange(1, 18)
+        slots.reserve(slot, length)
+        slot.length = length - rng.randrange(0, 2)  # a rejected draft rolls back
+        assert slot.capacity == slot_positions(length)
+        assert slots.bytes_held == slot_positions(length) * KV.bytes_per_token
+
+
+def test_slot_positions():
+    assert [slot_positions(n) for n in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
+
+
+def test_budget_refuses_with_a_retry_hint_and_frees_once():
+    per_session = slot_positions(100 + 16) * KV.bytes_per_token  # 128 positions: 64 KiB
+    admission = Admission(KV, budget_bytes=3 * per_session)
+    tickets = [admission.enter(None) for _ in range(4)]
+    for t in tickets[:3]:
+        t.reserve(100)
+    with pytest.raises(Refused) as refused:
+        tickets[3].reserve(100)
+    assert "KV memory budget full" in refused.value.message
+    assert "retry in" in refused.value.message
+    hint = dict(refused.value.trailing_metadata())
+    assert int(hint[RETRY_PUSHBACK_KEY]) > 0 and hint[RETRY_AFTER_KEY] == hint[RETRY_PUSHBACK_KEY]
+    tickets[0].free()
+    tickets[0].free()  # a second end of the same session gives nothing back
+    assert admission.reserved_bytes == 2 * per_session
+    tickets[3].reserve(100)
+    for t in tickets[1:]:
+        t.free()
+    assert admission.reserved_bytes == 0 and not admission.live
+
+
+def test_a_short_session_fits_where_a_long_one_does_not():
+    admission = Admission(KV, budget_bytes=MIB)  # 2048 positions of 512 B
+    admission.enter(None).reserve(1000)  # 1024 positions
+    with pytest.raises(Refused):
+        admission.enter(None).reserve(1100)
+    admission.enter(None).reserve(500)  # 1024 more: exactly the budget
+
+
+def test_quota_counts_each_client_streams():
+    admission = Admission(per_client=2)
+    a1, _ = admission.enter("a"), admission.enter("a")
+    admission.enter("b")
+    with pytest.raises(Refused) as refused:
+        admission.enter("a")
+    assert "quota of 2" in refused.value.message and not refused.value.trailing_metadata()
+    a1.leave()
+    a1.leave()
+    admission.enter("a")
+    with pytest.raises(Refused):
+        admission.enter("a")
+
+
+def test_client_key_hides_the_token_and_drops_the_port():
+    key = client_key(b"s3cret", "ipv4:10.0.0.1:5000", by_token=True)
+    assert key.startswith("token:") and "s3cret" not in key
+    assert key == client_key(b"s3cret", "ipv4:10.0.0.2:6000", by_token=True)
+    assert client_key(None, "ipv4:10.0.0.1:5000", by_token=False) == "ipv4:10.0.0.1"
+    assert client_key(None, "ipv6:[::1]:5000", by_token=False) == "ipv6:[::1]"
+
+
+@contextlib.asynccontextmanager
+async def connected(**gateway_kw):
+    async with gateway(**gateway_kw) as address, grpc.aio.insecure_channel(address) as channel:
+        yield pb_grpc.SpeculativeDecodingStub(channel)
+
+
+def _start(max_new_tokens: int) -> pb.ClientMessage:
+    sampling = pb.SamplingParams(max_new_tokens=max_new_tokens)
+    start = pb.Start(protocol_version=PROTOCOL_VERSION, prompt_ids=[1, 2, 3], sampling=sampling)
+    return pb.ClientMessage(start=start)
+
+
+async def served_once(stub, patience_s: float = 10.0) -> list[pb.ServerMessage]:
+    """A short generation, retried while the budget is still held (freed asynchronously)."""
+    for _ in range(int(patience_s / 0.1)):
+        try:
+            return [m async for m in stub.Generate(iter([_start(8)]), timeout=20)]
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"not served within {patience_s} s")
+
+
+def test_gateway_refuses_over_budget_and_releases_every_reservation():
+    admission = Admission(KV, budget_bytes=256 * KV.bytes_per_token)
+
+    async def run():
+        async with connected(admission=admission) as stub:
+            held = stub.Generate(timeout=20)  # 3 + 200 tokens: 256 positions, the budget
+            await held.write(_start(200))
+            assert (await held.read()).WhichOneof("msg") == "started"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Generate(iter([_start(8)]), timeout=20):
+                    pass
+            held.cancel()
+            served = await served_once(stub)
+        return refused.value, served
+
+    refused, served = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV memory budget full" in refused.details()
+    hint = dict(refused.trailing_metadata())
+    assert int(hint[RETRY_PUSHBACK_KEY]) > 0 and hint[RETRY_AFTER_KEY] == hint[RETRY_PUSHBACK_KEY]
+    assert served[-1].WhichOneof("msg") == "finished"
+    assert admission.reserved_bytes == 0 and not admission.live
+
+
+def test_gateway_quota_per_token():
+    admission = Admission(per_client=1)
+    security = Security(tokens=(b"t1", b"t2"))
+
+    async def stream(stub, token: str):
+        return stub.Generate(metadata=(("authorization", f"Bearer {token}"),), timeout=20)
+
+    async def run():
+        async with connected(admission=admission, security=security) as stub:
+            first = await stream(stub, "t1")
+            await first.write(_start(200))
+            await first.read()
+            other = await stream(stub, "t2")  # another token has its own quota
+            await other.write(_start(4))
+            assert (await other.read()).WhichOneof("msg") == "started"
+            again = await stream(stub, "t1")
+            await again.write(_start(4))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await again.read()
+            first.cancel()
+            other.cancel()
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "quota of 1" in refused.details() and "t1" not in refused.details()
+
+
+def test_serve_flags_build_the_admission(tmp_path):
+    from specsplit.cloud.cli import _admission, _parser
+
+    model = make_tiny_qwen2(tmp_path / "tiny", seed=0)
+    args = _parser().parse_args(["serve", "--kv-budget-mib", "2", "--sessions-per-token", "3"])
+    admission = _admission(args, model)
+    assert admission.budget_bytes == 2 * MIB and admission.per_client == 3
+    assert admission.kv == KV
+    default = _admission(_parser().parse_args(["serve"]), model)
+    assert default.budget_bytes > 0 and default.per_client is None
+    with pytest.raises(ValueError, match="kv-budget-mib"):
+        _admission(_parser().parse_args(["serve", "--kv-budget-mib", "0"]), model)
+    with pytest.raises(ValueError, match="sessions per token"):
+        _admission(_parser().parse_args(["serve", "--sessions-per-token", "0"]), model)
