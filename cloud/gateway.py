@@ -209,6 +209,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             committed_len=session.committed_len,
             max_new_tokens=session.max_new_tokens,
             seed=session.seed,
+            q_counts=True,
         )
 
     async def _speculative(self, session: Session, triton: Lease, it):

@@ -45,7 +45,7 @@ from specsplit.shared.protocol import (
     sampling_params,
     sparse_to_pb,
 )
-from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
 from specsplit.shared.seeding import round_rng
 
 MODES = ("split", "cloud-only", "edge-only")
@@ -74,6 +74,9 @@ class GenerationConfig:
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
+    # The draft samples from q quantised to this many steps and sends one byte per entry
+    # (SparseDistribution.counts); 0 samples from and sends float q (4 bytes per entry).
+    q_levels: int = Q_LEVELS
     model: str = ""  # target model name; "" = the server's default
     # After UNAVAILABLE, re-open from the committed sequence with backoff for up to this long
     # per outage (edge/retry.py); never once the final verdict came.
@@ -328,7 +331,9 @@ class _Session:
         seq = self.committed if prefix is None else prefix
         rng = None if cfg.sampling.greedy else round_rng(self.seed, "draft", len(seq))
         t0 = time.perf_counter()
-        block = propose(drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries)
+        block = propose(
+            drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries, cfg.q_levels
+        )
         return block, (time.perf_counter() - t0) * 1e3
 
     def _draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
@@ -360,7 +365,7 @@ class _Session:
             t1 = time.perf_counter()
             draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens)
             if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
-                draft.q.extend(sparse_to_pb(q) for q in block.q)
+                draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)
             await self._send(pb.ClientMessage(draft=draft))
             k_next = max(0, min(k_max, hint, remaining - (k + 1) - 1))
             ahead = None
