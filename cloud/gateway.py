@@ -19,6 +19,7 @@ import grpc
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specsplit.cloud.cloud_led import cloud_led_rounds
 from specsplit.cloud.identity import ModelIdentity
 from specsplit.cloud.lease import Lease
 from specsplit.cloud.limits import (
@@ -133,6 +134,10 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             return
         if first.WhichOneof("msg") != "start":
             raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
+        if first.start.cloud_only and first.start.cloud_led:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT, "cloud_only and cloud_led exclude each other"
+            )
         session = self._open(first.start)
         speculative = not first.start.cloud_only
         await triton.start(
@@ -141,6 +146,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         yield pb.ServerMessage(started=self._started(session))
         if first.start.cloud_only:
             rounds = self._cloud_only(session, triton, it)
+        elif first.start.cloud_led:
+            rounds = cloud_led_rounds(self, session, triton, it)
         else:
             rounds = self._speculative(session, triton, it)
         async for verdict in rounds:
@@ -149,6 +156,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             committed_len=session.committed_len,
             reason=int(session.finish),
             target_forward_passes=session.rounds,
+            drafts_dropped=session.drafts_dropped,
+            drafts_used=session.drafts_used,
         )
         yield pb.ServerMessage(finished=finished)
 
