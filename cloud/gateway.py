@@ -143,7 +143,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         await triton.start(
             session.prompt, session.sampling, session.mode, session.seed, speculative
         )
-        yield pb.ServerMessage(started=self._started(session))
+        yield pb.ServerMessage(started=self._started(session, first.start.cloud_led))
         if first.start.cloud_only:
             rounds = self._cloud_only(session, triton, it)
         elif first.start.cloud_led:
@@ -203,7 +203,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             stop_ids=frozenset(start.sampling.stop_token_ids),
         )
 
-    def _started(self, session: Session) -> pb.Started:
+    def _started(self, session: Session, cloud_led: bool) -> pb.Started:
         lim = self.model.limits
         return pb.Started(
             session_id=uuid.uuid4().hex,
@@ -219,6 +219,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             max_new_tokens=session.max_new_tokens,
             seed=session.seed,
             q_counts=True,
+            cloud_led=cloud_led,
         )
 
     async def _speculative(self, session: Session, triton: Lease, it):

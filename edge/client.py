@@ -52,8 +52,10 @@ class GenerationConfig:
     # whatever the cloud's load and timing (the output's distribution is the target's either way).
     follow_hint: bool = True
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
-    # waiting and verifies whatever drafts arrived in time (DESIGN §7). "auto": see
-    # resolved_session_mode.
+    # waiting and verifies whatever drafts arrived in time (DESIGN §7): never slower than
+    # cloud-only, whatever the RTT. "auto": cloud-led, except lock-step when follow_hint is
+    # False (a cloud-led run depends on timing, so only lock-step with a fixed k repeats a seeded
+    # sampled run exactly).
     session_mode: str = "auto"
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
@@ -76,7 +78,9 @@ class GenerationConfig:
     def resolved_session_mode(self) -> str:
         if self.session_mode not in SESSION_MODES:
             raise ValueError(f"session_mode must be one of {SESSION_MODES}")
-        return "lock-step" if self.session_mode == "auto" else self.session_mode
+        if self.session_mode != "auto":
+            return self.session_mode
+        return "cloud-led" if self.follow_hint else "lock-step"
 
 
 class SplitClient:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import draft_distribution, next_logits
 from specsplit.edge.session import Session
 from specsplit.edge.worker import Stoppable, Worker
@@ -59,9 +60,37 @@ def _draft_one(s: Session, seq: list[int], stop: threading.Event):
     return int(q.ids[sample(q.probs, rng)]), q
 
 
+class _Reach:
+    """How far ahead to speculate: the tokens the cloud commits while a Draft is on its way
+    (measured: committed_len at use minus the Draft's base_len) plus the positions worth
+    verifying (while the measured chance that all before them are accepted stays >= MIN_REACH),
+    at most k_max of those and the cloud's hint."""
+
+    MIN_REACH = 0.1
+
+    def __init__(self, k_max: int, limit: int):
+        self.k_max, self.limit = k_max, limit
+        self.acceptance = DraftLength(k_max)
+        self.lag: float = 0.0
+
+    def observe(self, offset: int | None, verified: int, accepted: int) -> None:
+        if offset is not None:
+            self.lag = 0.8 * self.lag + 0.2 * offset
+        if verified:
+            self.acceptance.observe(verified, accepted, 0.0)
+
+    def want(self, hint: int) -> int:
+        if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
+            return min(self.limit, self.k_max, hint)
+        reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
+        useful = 1 + int(np.argmin(reach)) if not reach.all() else self.k_max
+        return min(self.limit, round(self.lag) + min(self.k_max, hint, useful))
+
+
 async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[list[int]]:
     cfg, stats = s.cfg, s.stats
     k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
+    reach = _Reach(k_max, started.limits.max_draft_tokens) if cfg.adapts else None
     send_every = max(1, k_max // 2)
     rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
     verdicts: asyncio.Queue = asyncio.Queue()
@@ -86,7 +115,8 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
     getter: asyncio.Future | None = None
     try:
         while True:
-            want = max(0, min(k_max, hint, remaining - 1))
+            ahead = reach.want(hint) if reach else min(k_max, hint)
+            want = max(0, min(ahead, remaining - 1))
             if worker is None and paused == 0 and len(spec.tokens) < want:
                 prefix = [*s.committed, *spec.tokens]
                 worker = Worker(_draft_one, s, prefix)
@@ -114,7 +144,10 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
                 if isinstance(v, Exception):
                     raise v
                 now = time.perf_counter()
-                chunk, verified = _apply(s, v, sent, hint)
+                offset = len(s.committed) - sent[v.round][0] if v.round in sent else None
+                chunk, verified = _apply(s, v, sent, started.limits.max_draft_tokens)
+                if reach is not None:
+                    reach.observe(offset, verified, v.accepted)
                 s.observe(v, verified, 0.0, (now - t_prev) * 1e3)
                 t_prev = now
                 spec.consume(chunk)
@@ -142,11 +175,12 @@ async def _send_draft(s: Session, started, spec: _Speculation, round_no: int, re
     await s.send(pb.ClientMessage(draft=draft))
 
 
-def _apply(s: Session, v: pb.Verdict, sent: dict, hint: int) -> tuple[list[int], int]:
-    """Commits a Verdict; returns its chunk and how many draft tokens its step verified."""
+def _apply(s: Session, v: pb.Verdict, sent: dict, limit: int) -> tuple[list[int], int]:
+    """Commits a Verdict; returns its chunk and how many draft tokens its step verified (the
+    gateway verifies up to Limits.max_draft_tokens of a Draft's tokens beyond committed_len)."""
     base, tokens = sent.get(v.round, (len(s.committed), []))
     off = len(s.committed) - base
-    verified = min(len(tokens) - off, hint) if v.round else 0
+    verified = min(len(tokens) - off, limit) if v.round else 0
     chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
     s.committed += chunk
     return chunk, max(0, verified)

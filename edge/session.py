@@ -88,7 +88,7 @@ class Session:
         from specsplit.edge.lockstep import lockstep_rounds
 
         cfg = self.cfg
-        cloud_led = not cloud_only and cfg.resolved_session_mode() == "cloud-led"
+        led_asked = not cloud_only and cfg.resolved_session_mode() == "cloud-led"
         self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
             protocol_version=PROTOCOL_VERSION,
@@ -97,16 +97,17 @@ class Session:
             sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
             verification=MODE_TO_PB.get(cfg.verification, 0),
             cloud_only=cloud_only,
-            cloud_led=cloud_led,
+            cloud_led=led_asked,
         )
         await self.send(pb.ClientMessage(start=start))
         # Draft the first block (the draft's own prefill included) while the cloud prefills;
         # a sampled draft needs the seed first, which Started brings when we sent none.
-        lockstep = not (cloud_only or cloud_led)
-        early = lockstep and (self.seed is not None or cfg.sampling.greedy)
+        early = not (cloud_only or led_asked) and (self.seed is not None or cfg.sampling.greedy)
         first = self.draft(min(cfg.draft_tokens, self.max_new_tokens - 1)) if early else None
         started = await self.recv("started")
         self.seed = self.stats.seed = started.seed
+        cloud_led = led_asked and started.cloud_led  # an older server runs lock-step
+        lockstep = not (cloud_only or cloud_led)
         if lockstep and first is None:
             first = self.draft(min(cfg.draft_tokens, started.max_new_tokens - 1))
         if not cloud_only:

@@ -48,3 +48,18 @@ def test_long_round_trip_favours_longer_blocks():
 
 def test_the_cloud_hint_caps_k():
     assert _trained(0.9, draft_ms=5, verify_ms=290, fixed_ms=2).choose(cap=2) <= 2
+
+
+def test_cloud_led_reach_covers_the_lag_plus_useful_positions():
+    from specsplit.edge.cloud_led import _Reach
+
+    reach = _Reach(k_max=8, limit=16)
+    assert reach.want(hint=8) == 8  # before anything is measured: k_max
+    for _ in range(50):
+        reach.observe(offset=3, verified=8, accepted=8)  # the cloud is 3 ahead; all accepted
+    assert reach.want(hint=8) == 3 + 8
+    assert reach.want(hint=2) == 3 + 2  # the cloud's hint caps what is verified per step
+    poor = _Reach(k_max=8, limit=16)
+    for _ in range(50):
+        poor.observe(offset=0, verified=4, accepted=0)  # nothing ever accepted
+    assert poor.want(hint=8) == 1
