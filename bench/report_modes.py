@@ -15,7 +15,10 @@ TARGET_RTT0_GREEDY_CODE = 2.3
 
 
 def normalise(r: dict) -> dict:
-    """Records of runs before session modes: "split" was lock-step with a fixed k."""
+    """The bench's mode names. Records of runs before session modes: "split" was lock-step
+    with a fixed k; early session-mode records carry the edge's "split" but their key says."""
+    if "key" in r and r["mode"] == "split":
+        r["mode"] = r["key"].split("/", 1)[0]
     if r["mode"] == "split":
         r["mode"] = "lock-step"
     r.setdefault("link", "")

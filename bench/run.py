@@ -119,12 +119,12 @@ async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed
 def record(cfg: Config, prompt: dict, gen) -> dict:
     s = gen.stats
     return {
+        **s.summary(),  # first: its "mode" is the client's ("split"), the bench's comes next
         **asdict(cfg),
         "key": cfg.key,
         "prompt_id": prompt["id"],
         "class": prompt["class"],
         "token_ids": gen.token_ids,
-        **s.summary(),
         "draft_ms": s.draft_ms,
         "round_ms": s.round_ms,
         "verify_ms": s.verify_ms,

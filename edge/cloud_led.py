@@ -62,9 +62,10 @@ def _draft_one(s: Session, seq: list[int], stop: threading.Event):
 
 class _Reach:
     """How far ahead to speculate: the tokens the cloud commits while a Draft is on its way
-    (measured: committed_len at use minus the Draft's base_len) plus the positions worth
-    verifying (while the measured chance that all before them are accepted stays >= MIN_REACH),
-    at most k_max of those and the cloud's hint."""
+    (measured: committed_len at use minus the Draft's base_len), plus twice the positions worth
+    verifying (while the measured chance that all before them are accepted stays >= MIN_REACH;
+    at most k_max and the cloud's hint): once for the step that uses the Draft, once more for
+    the step after it, which starts before the edge hears of the first and can extend it."""
 
     MIN_REACH = 0.1
 
@@ -84,7 +85,7 @@ class _Reach:
             return min(self.limit, self.k_max, hint)
         reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
         useful = 1 + int(np.argmin(reach)) if not reach.all() else self.k_max
-        return min(self.limit, round(self.lag) + min(self.k_max, hint, useful))
+        return min(self.limit, round(self.lag) + 2 * min(self.k_max, hint, useful))
 
 
 async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[list[int]]:

@@ -53,13 +53,14 @@ def test_the_cloud_hint_caps_k():
 def test_cloud_led_reach_covers_the_lag_plus_useful_positions():
     from specsplit.edge.cloud_led import _Reach
 
-    reach = _Reach(k_max=8, limit=16)
-    assert reach.want(hint=8) == 8  # before anything is measured: k_max
+    reach = _Reach(k_max=4, limit=16)
+    assert reach.want(hint=4) == 4  # before anything is measured: k_max
     for _ in range(50):
-        reach.observe(offset=3, verified=8, accepted=8)  # the cloud is 3 ahead; all accepted
-    assert reach.want(hint=8) == 3 + 8
-    assert reach.want(hint=2) == 3 + 2  # the cloud's hint caps what is verified per step
+        reach.observe(offset=3, verified=4, accepted=4)  # the cloud is 3 ahead; all accepted
+    assert reach.want(hint=4) == 3 + 2 * 4
+    assert reach.want(hint=2) == 3 + 2 * 2  # the cloud's hint caps what is verified per step
+    assert _Reach(k_max=8, limit=16).want(hint=8) == 8
     poor = _Reach(k_max=8, limit=16)
     for _ in range(50):
         poor.observe(offset=0, verified=4, accepted=0)  # nothing ever accepted
-    assert poor.want(hint=8) == 1
+    assert poor.want(hint=8) == 2
