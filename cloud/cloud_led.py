@@ -97,6 +97,8 @@ async def cloud_led_rounds(service, session: Session, triton, it):
                 if kind != "draft":
                     raise ProtocolError(Code.FAILED_PRECONDITION, f"unexpected {kind} after Start")
                 d = msg.draft
+                if session.finish is not Finish.NONE:
+                    continue  # sent before the client heard the final verdict: not an error
                 session.check_draft(d.base_len, d.tokens, len(d.q), exact_base=False)
                 q = service._parse_q(d) if session.mode is Mode.REJECTION else None
                 pool.add(PendingDraft(d.round, d.base_len, list(d.tokens), q))
