@@ -122,6 +122,7 @@ async def cloud_led_rounds(service, session: Session, triton, it):
             verdict = await service._round(session, triton, tokens, q or None, t0)
             verdict.round = draft.round if draft is not None else 0
             verdict.drafts_dropped = pool.dropped
+            verdict.drafts_verified = len(tokens)
             yield verdict  # its hint caps the edge's speculation; the edge obeys it there
     finally:
         reader.cancel()

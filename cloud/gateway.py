@@ -236,7 +236,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             session.check_draft(draft.base_len, draft.tokens, len(draft.q))
             q = self._parse_q(draft) if session.mode is Mode.REJECTION else None
             verdict = await self._round(session, triton, list(draft.tokens), q, t0)
-            verdict.round = draft.round
+            verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)
             yield verdict
             if session.finish is not Finish.NONE:
                 return

@@ -146,7 +146,7 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
                     raise v
                 now = time.perf_counter()
                 offset = len(s.committed) - sent[v.round][0] if v.round in sent else None
-                chunk, verified = _apply(s, v, sent, started.limits.max_draft_tokens)
+                chunk, verified = _apply(s, v, sent)
                 if reach is not None:
                     reach.observe(offset, verified, v.accepted)
                 s.observe(v, verified, 0.0, (now - t_prev) * 1e3)
@@ -176,15 +176,13 @@ async def _send_draft(s: Session, started, spec: _Speculation, round_no: int, re
     await s.send(pb.ClientMessage(draft=draft))
 
 
-def _apply(s: Session, v: pb.Verdict, sent: dict, limit: int) -> tuple[list[int], int]:
-    """Commits a Verdict; returns its chunk and how many draft tokens its step verified (the
-    gateway verifies up to Limits.max_draft_tokens of a Draft's tokens beyond committed_len)."""
+def _apply(s: Session, v: pb.Verdict, sent: dict) -> tuple[list[int], int]:
+    """Commits a Verdict; returns its chunk and how many draft tokens its step verified."""
     base, tokens = sent.get(v.round, (len(s.committed), []))
     off = len(s.committed) - base
-    verified = min(len(tokens) - off, limit) if v.round else 0
     chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
     s.committed += chunk
-    return chunk, max(0, verified)
+    return chunk, v.drafts_verified if v.round else 0
 
 
 def _pause(stats, paused: int) -> int:
