@@ -49,7 +49,7 @@ def _config(args) -> GenerationConfig:
         sampling=sampling,
         seed=args.seed,
         draft_tokens=args.draft_tokens,
-        adaptive=not args.fixed_k,
+        adaptive=False if args.fixed_k else None,
         session_mode=args.session_mode,
         verification=VERIFICATION[args.verification],
         retry_window_s=args.retry_window,

@@ -46,16 +46,16 @@ class GenerationConfig:
     # The largest k. Each round drafts the k in [0, draft_tokens] that maximises expected tokens
     # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly draft_tokens).
     draft_tokens: int = 8
-    adaptive: bool = True
+    adaptive: bool | None = None  # None: adapt, except in a seeded sampled run (reproducible)
     # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
     # compute-bound). False keeps k fixed (adaptive too): seeded sampled runs then repeat exactly
     # whatever the cloud's load and timing (the output's distribution is the target's either way).
     follow_hint: bool = True
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
     # waiting and verifies whatever drafts arrived in time (DESIGN §7): never slower than
-    # cloud-only, whatever the RTT. "auto": cloud-led, except lock-step when follow_hint is
-    # False (a cloud-led run depends on timing, so only lock-step with a fixed k repeats a seeded
-    # sampled run exactly).
+    # cloud-only, whatever the RTT. "auto": cloud-led, except lock-step with a fixed k when a
+    # run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a cloud-led or
+    # adaptive run's blocks depend on timing; greedy output never does).
     session_mode: str = "auto"
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
@@ -72,15 +72,26 @@ class GenerationConfig:
     draft_ahead: bool = True
 
     @property
+    def reproducible(self) -> bool:
+        """A seeded sampled run: its blocks must not depend on timing."""
+        return self.seed is not None and not self.sampling.greedy
+
+    @property
+    def obeys_hint(self) -> bool:
+        """Lock-step blocks shrink to the cloud's hint, unless the run must repeat exactly."""
+        return self.follow_hint and not self.reproducible
+
+    @property
     def adapts(self) -> bool:
-        return self.adaptive and self.follow_hint
+        adaptive = not self.reproducible if self.adaptive is None else self.adaptive
+        return adaptive and self.follow_hint
 
     def resolved_session_mode(self) -> str:
         if self.session_mode not in SESSION_MODES:
             raise ValueError(f"session_mode must be one of {SESSION_MODES}")
         if self.session_mode != "auto":
             return self.session_mode
-        return "cloud-led" if self.follow_hint else "lock-step"
+        return "cloud-led" if self.follow_hint and not self.reproducible else "lock-step"
 
 
 class SplitClient:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import grpc
 import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
@@ -135,7 +136,13 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
                         round_no += 1
                         sent[round_no] = (len(s.committed), list(spec.tokens))
                         sent.pop(round_no - SENT_KEPT, None)
-                        await _send_draft(s, started, spec, round_no, rejection)
+                        try:
+                            await _send_draft(s, started, spec, round_no, rejection)
+                        except grpc.aio.AioRpcError:
+                            # The server may end the call (its final verdict) while a Draft is
+                            # on its way: Drafts are optional, the verdicts tell what happened.
+                            paused = -1  # no more drafting on this stream
+                            stats.drafts_sent -= 1
             if not getter.done():
                 continue
             ready, getter = [getter.result()], None
@@ -186,6 +193,8 @@ def _apply(s: Session, v: pb.Verdict, sent: dict) -> tuple[list[int], int]:
 
 
 def _pause(stats, paused: int) -> int:
+    if paused < 0:  # the stream can no longer take Drafts
+        return paused
     if paused:
         return paused - 1
     if stats.drafted >= 4 * PAUSE_VERDICTS and stats.acceptance_rate < PAUSE_BELOW:

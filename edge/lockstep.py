@@ -66,7 +66,7 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
         remaining -= len(chunk)
         round_ms = (t2 - t1) * 1e3
         s.observe(v, k, draft_ms, round_ms)
-        if cfg.follow_hint and v.HasField("max_draft_tokens_hint"):
+        if cfg.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
             stats.block_hint.append(hint)
         if chooser is not None:
