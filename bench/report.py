@@ -15,6 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report_modes import (
+    SPLIT,
+    bytes_table,
+    condition,
+    normalise,
+    speed_plots,
+    step_ms,
+    targets,
+)
+
 TARGETS = {"speedup": 1.5, "passes_per_token": 0.35, "overhead_ms": 3.0}
 
 
@@ -71,8 +81,8 @@ def _ideal(records: list[dict], tokens_per_round: float | None) -> float | None:
     verify = np.mean([v for r in records for v in r["verify_ms"]]) if r0["verify_ms"] else None
     if r0["mode"] == "cloud-only":
         return 1e3 / verify if verify else None
-    if r0["mode"] != "split" or verify is None:
-        return None
+    if r0["mode"] not in ("split", "lock-step", "lock-step-adaptive") or verify is None:
+        return None  # cloud-led overlaps drafting, network and verification: no simple formula
     draft = np.mean([d for r in records for d in r["draft_ms"]])
     return tokens_per_round / ((draft + r0["rtt_ms"] + verify) / 1e3)
 
@@ -93,32 +103,38 @@ def config_table(records: list[dict], temperature: float, cls: str | None) -> li
         r for r in records if r["temperature"] == temperature and (cls is None or r["class"] == cls)
     ]
     base = {
-        rtt: aggregate(g)["tok_s"]
-        for (rtt,), g in group([r for r in rows if r["mode"] == "cloud-only"], "rtt_ms").items()
+        key: aggregate(g)["tok_s"]
+        for key, g in group(
+            [r for r in rows if r["mode"] == "cloud-only"], "rtt_ms", "link"
+        ).items()
     }
     edge_only = [r for r in rows if r["mode"] == "edge-only"]
+    step = step_ms(records, temperature)
     lines = [
-        "| mode | k | RTT ms | tok/s | × cloud-only | TTFT ms | ITL p50 / p95 ms | acceptance |"
-        " tokens/round | target passes/token | bytes up / down per token | ideal tok/s |"
-        " achieved/ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | k | RTT | RTT ÷ step | tok/s | × cloud-only | TTFT ms | ITL p50 / p95 ms |"
+        " acceptance | tokens/round | target passes/token | bytes up / down per token |"
+        " ideal tok/s | achieved/ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (mode, k, rtt), g in sorted(
-        group(rows, "mode", "k", "rtt_ms").items(),
-        key=lambda x: (x[0][2], x[0][0] != "cloud-only", x[0][1]),
+    order = ("cloud-only", *SPLIT)
+    for (mode, k, rtt, link), g in sorted(
+        group(rows, "mode", "k", "rtt_ms", "link").items(),
+        key=lambda x: (x[0][3], x[0][2], order.index(x[0][0]) if x[0][0] in order else 9, x[0][1]),
     ):
         if mode == "edge-only":
             continue
         a = aggregate(g)
-        lines.append(_row(mode, k, rtt, a, base.get(rtt)))
+        ratio = f"{rtt / step:.2f}" if step else "–"
+        lines.append(_row(mode, k, condition(rtt, link), ratio, a, base.get((rtt, link))))
     if edge_only:
-        lines.append(_row("edge-only", 0, None, aggregate(edge_only), base.get(0.0)))
+        lines.append(_row("edge-only", 0, "n/a", "–", aggregate(edge_only), base.get((0.0, ""))))
     return lines
 
 
-def _row(mode, k, rtt, a, base) -> str:
+def _row(mode, k, cond, ratio, a, base) -> str:
+    k_text = "≤ " + str(k) if mode in ("lock-step-adaptive", "cloud-led") else (k or "–")
     return (
-        f"| {mode} | {k or '–'} | {_fmt(rtt, 'g') if rtt is not None else 'n/a'} "
+        f"| {mode} | {k_text} | {cond} | {ratio} "
         f"| {a['tok_s']:.2f} | {_fmt(a['tok_s'] / base if base else None)} "
         f"| {a['ttft_ms']:.0f} | {a['itl_p50_ms']:.0f} / {a['itl_p95_ms']:.0f} "
         f"| {_fmt(a['acceptance'])} | {_fmt(a['tokens_per_round'])} "
@@ -130,15 +146,16 @@ def _row(mode, k, rtt, a, base) -> str:
 
 def identical_to_target(records: list[dict]) -> tuple[int, int]:
     """Greedy split outputs equal to cloud-only's for the same prompt and RTT: (equal, total)."""
+    records = [normalise(dict(r)) for r in records]
     ref = {
-        (r["prompt_id"], r["rtt_ms"]): r["token_ids"]
+        (r["prompt_id"], r["rtt_ms"], r["link"]): r["token_ids"]
         for r in records
         if r["mode"] == "cloud-only" and r["temperature"] == 0
     }
     pairs = [
-        (r["token_ids"], ref.get((r["prompt_id"], r["rtt_ms"])))
+        (r["token_ids"], ref.get((r["prompt_id"], r["rtt_ms"], r["link"])))
         for r in records
-        if r["mode"] == "split" and r["temperature"] == 0
+        if r["mode"] in SPLIT and r["temperature"] == 0
     ]
     return sum(a == b for a, b in pairs if b is not None), sum(b is not None for _, b in pairs)
 
@@ -149,38 +166,9 @@ def plots(records: list[dict], out: Path, name: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
-    for temperature in sorted({r["temperature"] for r in records}):
-        rows = [r for r in records if r["temperature"] == temperature]
-        base = {
-            rtt: aggregate(g)["tok_s"]
-            for (rtt,), g in group([r for r in rows if r["mode"] == "cloud-only"], "rtt_ms").items()
-        }
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for (k,), g in sorted(group([r for r in rows if r["mode"] == "split"], "k").items()):
-            pts = sorted(
-                (rtt, aggregate(gg)["tok_s"] / base[rtt])
-                for (rtt,), gg in group(g, "rtt_ms").items()
-                if rtt in base
-            )
-            ax.plot(*zip(*pts, strict=True), marker="o", label=f"split k={k}")
-        edge = [r for r in rows if r["mode"] == "edge-only"]
-        ax.axhline(1.0, c="black", lw=0.8, label="cloud-only")
-        if edge and 0.0 in base:  # far above the curves (a smaller model): named, not drawn
-            ratio = aggregate(edge)["tok_s"] / base[0.0]
-            ax.plot([], [], ls=":", c="gray", label=f"edge-only (draft alone): {ratio:.1f}×")
-        ax.set_ylim(bottom=0)
-        ax.set(
-            xlabel="emulated RTT (ms)",
-            ylabel="tokens/s ÷ cloud-only",
-            title=f"speedup over cloud-only, temperature {temperature:g}",
-        )
-        ax.legend(fontsize=8)
-        files.append(f"img/{name}-speedup-t{temperature:g}.png")
-        fig.savefig(out / files[-1], dpi=110, bbox_inches="tight")
-        plt.close(fig)
+    files = speed_plots(records, out, name)
     fig, ax = plt.subplots(figsize=(6, 4))
-    split = [r for r in records if r["mode"] == "split"]
+    split = [r for r in records if r["mode"] in SPLIT]
     labels, values = [], []
     for (cls, t), g in sorted(group(split, "class", "temperature").items()):
         labels.append(f"{cls}\nT={t:g}")
@@ -201,6 +189,7 @@ def _headline(records: list[dict]) -> tuple[list[str], dict]:
         and r["rtt_ms"] == 0
         and r["class"] == "code"
         and r["mode"] != "edge-only"
+        and not r["link"]
     ]
     base = aggregate([r for r in rows if r["mode"] == "cloud-only"])
     best = {}
@@ -212,12 +201,12 @@ def _headline(records: list[dict]) -> tuple[list[str], dict]:
     for (mode, k), g in sorted(group(rows, "mode", "k").items(), key=lambda x: x[0][1]):
         a = aggregate(g)
         speedup = a["tok_s"] / base["tok_s"]
-        if mode == "split" and speedup > best.get("speedup", 0):
+        if mode in SPLIT and speedup > best.get("speedup", 0):
             best = {"k": k, "speedup": speedup, **a}
         lines.append(
             f"| {mode} | {k or '–'} | {a['tok_s']:.2f} | {speedup:.2f} "
             f"| {a['passes_per_token']:.2f} | {_fmt(a['acceptance'])} "
-            f"| {_fmt(a['overhead_p50_ms'], '.1f') if mode == 'split' else '–'} |"
+            f"| {_fmt(a['overhead_p50_ms'], '.1f') if mode in SPLIT else '–'} |"
         )
     return lines, best
 
@@ -245,7 +234,8 @@ def _targets(best: dict, overhead: dict | None) -> list[str]:
 
 
 def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
-    records = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+    lines = raw.read_text().splitlines()
+    records = [normalise(json.loads(line)) for line in lines if line.strip()]
     meta = json.loads(meta_path.read_text())
     (out / "img").mkdir(parents=True, exist_ok=True)
     images = plots(records, out, name)
@@ -277,11 +267,18 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         f"{meta['draft_precision']}), pinned to cores {meta['edge_cores']} "
         f"with {len(meta['edge_cores'])} thread(s).",
         f"- {plan['prompts']} prompts (`bench/prompts.jsonl`, chat template), "
-        f"{plan['max_new_tokens']} new tokens each; k ∈ {list(plan['ks'])}, temperature ∈ "
-        f"{list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms.",
+        f"{plan['max_new_tokens']} new tokens each; fixed k ∈ {list(plan['ks'])} (lock-step),"
+        f" adaptive k ≤ {plan.get('k_max', '–')} (lock-step-adaptive, cloud-led), temperature ∈ "
+        f"{list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms"
+        + (", and the LTE-like link." if plan.get("lte") else "."),
         "- RTT is emulated by an asyncio TCP proxy between edge and gateway that holds each chunk"
-        " RTT/2 in each direction: latency only, no bandwidth limit, loss or jitter. RTT 0 is a"
-        " direct loopback connection.",
+        " RTT/2 in each direction (bench/proxy.py); the LTE-like link adds ± 10 ms jitter (bytes"
+        " kept in order), 5 Mbit/s up and 20 Mbit/s down. RTT 0 is a direct loopback"
+        " connection. RTT ÷ step divides RTT by the target's median forward pass here, so the"
+        " CPU rows map onto a GPU cloud with the same ratio (a 20 ms step at 50 ms RTT is 2.5).",
+        "- Modes: cloud-only (the target alone, streamed); lock-step with a fixed k; lock-step"
+        " with adaptive k (edge/adaptive.py); cloud-led with adaptive speculation (the cloud"
+        " never waits for drafts, DESIGN §7).",
         "- tok/s = generated tokens / wall time seen at the edge, over all prompts of a row;"
         " ITL = time between successive tokens reaching the client (tokens committed together"
         " count 0); bytes are protobuf payload sizes (no HTTP/2 framing); ideal tok/s follows"
@@ -297,6 +294,14 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         "### Targets",
         "",
         *_targets(best, meta.get("overhead")),
+        "",
+        "## Default mode against cloud-only and the best fixed k, code prompts",
+        "",
+        *targets(records, "code"),
+        "",
+        "## Bytes per generated token, by mode (protobuf payload, all conditions and prompts)",
+        "",
+        *bytes_table(records),
         "",
     ]
     for t in sorted({r["temperature"] for r in records}):

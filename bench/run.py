@@ -33,33 +33,46 @@ HERE = Path(__file__).parent
 console = Console(stderr=True)
 
 
+LTE = {"rtt_ms": 50.0, "jitter_ms": 10.0, "up_bps": 5e6, "down_bps": 20e6}  # a phone on LTE
+SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led")
+
+
 @dataclass(frozen=True)
 class Config:
+    # cloud-only, edge-only, lock-step (fixed k), lock-step-adaptive / cloud-led (k <= k)
     mode: str
-    k: int  # 0 for cloud-only / edge-only
+    k: int  # 0 for cloud-only / edge-only; the fixed k, or the adaptive modes' maximum
     temperature: float
     rtt_ms: float
+    link: str = ""  # "" = latency only; "lte" = LTE above (its rtt_ms is LTE's)
 
     @property
     def key(self) -> str:
-        return f"{self.mode}/k{self.k}/t{self.temperature}/rtt{self.rtt_ms:g}"
+        link = f"/{self.link}" if self.link else ""
+        return f"{self.mode}/k{self.k}/t{self.temperature}/rtt{self.rtt_ms:g}{link}"
 
 
 @dataclass(frozen=True)
 class Plan:
-    ks: tuple[int, ...]
+    ks: tuple[int, ...]  # fixed k of lock-step
+    k_max: int  # the adaptive modes' maximum (the client's default)
     temperatures: tuple[float, ...]
     rtts_ms: tuple[float, ...]
+    lte: bool
     prompts: tuple[dict, ...]
     max_new_tokens: int
 
     def configs(self) -> list[Config]:
-        """RTT-major, so a run stopped early still covers every temperature at the low RTTs."""
+        """Condition-major, so a run stopped early still covers every temperature at the low
+        RTTs; every mode runs in the same minutes as the others of its condition."""
         out = [Config("edge-only", 0, t, 0.0) for t in self.temperatures]  # no network: once
-        for rtt in self.rtts_ms:
+        conditions = [(rtt, "") for rtt in self.rtts_ms] + ([(LTE["rtt_ms"], "lte")] * self.lte)
+        for rtt, link in conditions:
             for t in self.temperatures:
-                out.append(Config("cloud-only", 0, t, rtt))
-                out += [Config("split", k, t, rtt) for k in self.ks]
+                out.append(Config("cloud-only", 0, t, rtt, link))
+                out += [Config("lock-step", k, t, rtt, link) for k in self.ks]
+                out.append(Config("lock-step-adaptive", self.k_max, t, rtt, link))
+                out.append(Config("cloud-led", self.k_max, t, rtt, link))
         return out
 
 
@@ -68,25 +81,37 @@ def load_prompts() -> list[dict]:
 
 
 def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
+    """Full: 8 conditions x 2 temperatures x 6 modes x 2 prompts of 32 tokens, about 30 min on
+    the 2-core CPU box; quick: 3 conditions x 2 temperatures x 4 modes x 1 prompt of 16."""
     prompts = load_prompts()
+    code = [p for p in prompts if p["class"] == "code"]
+    prose = [p for p in prompts if p["class"] == "prose"]
     if quick:
-        code = [p for p in prompts if p["class"] == "code"][:3]
-        prose = [p for p in prompts if p["class"] == "prose"][:1]
-        return Plan((2, 4), (0.0,), (0.0, 50.0, 100.0), tuple(code + prose), max_new_tokens or 32)
+        return Plan((4,), 8, (0.0, 0.7), (0.0, 200.0), True, (code[0],), max_new_tokens or 16)
     return Plan(
-        (2, 4, 6, 8), (0.0, 0.7), (0.0, 20.0, 50.0, 100.0), tuple(prompts), max_new_tokens or 48
+        (2, 4, 8),
+        8,
+        (0.0, 0.7),
+        (0.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0),
+        True,
+        (code[0], prose[0]),
+        max_new_tokens or 32,
     )
 
 
 async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed: int):
+    split = cfg.mode in SPLIT_MODES
     gen_cfg = GenerationConfig(
         max_new_tokens=max_new,
         sampling=SamplingConfig(temperature=cfg.temperature),
         seed=seed,
         draft_tokens=max(cfg.k, 1),
+        adaptive=cfg.mode != "lock-step",
+        session_mode="cloud-led" if cfg.mode == "cloud-led" else "lock-step",
     )
+    mode = "split" if split else cfg.mode
     async with SplitClient(None if cfg.mode == "edge-only" else address, drafter) as client:
-        gen = client.generate(prompt_ids, gen_cfg, mode=cfg.mode)
+        gen = client.generate(prompt_ids, gen_cfg, mode=mode)
         await gen.collect()
     return gen
 
@@ -94,25 +119,28 @@ async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed
 def record(cfg: Config, prompt: dict, gen) -> dict:
     s = gen.stats
     return {
+        **s.summary(),  # first: its "mode" is the client's ("split"), the bench's comes next
         **asdict(cfg),
         "key": cfg.key,
         "prompt_id": prompt["id"],
         "class": prompt["class"],
         "token_ids": gen.token_ids,
-        **s.summary(),
         "draft_ms": s.draft_ms,
         "round_ms": s.round_ms,
         "verify_ms": s.verify_ms,
         "server_ms": s.server_ms,
         "queue_ms": s.queue_ms,
         "token_times_s": s.token_times_s,
+        "k_chosen": s.k_chosen,
     }
 
 
 async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set) -> None:
     gateway_port = int(address.rsplit(":", 1)[1])
     encoded = {p["id"]: codec.chat_prompt(p["prompt"]) for p in plan.prompts}
-    await generate(address, drafter, encoded[plan.prompts[0]["id"]], Config("split", 4, 0, 0), 8, 0)
+    await generate(
+        address, drafter, encoded[plan.prompts[0]["id"]], Config("lock-step", 4, 0, 0), 8, 0
+    )
     todo = [(c, p) for c in plan.configs() for p in plan.prompts if (c.key, p["id"]) not in done]
     columns = (
         TextColumn("{task.description}"),
@@ -126,7 +154,8 @@ async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set
             progress.update(task, description=f"{cfg.key:28s} {prompt['id']}")
             seed = zlib.crc32(prompt["id"].encode())
             ids = encoded[prompt["id"]]
-            async with DelayProxy(gateway_port, cfg.rtt_ms) as proxy:
+            link = LTE if cfg.link == "lte" else {"rtt_ms": cfg.rtt_ms}
+            async with DelayProxy(gateway_port, **link) as proxy:
                 # RTT 0 goes direct: no proxy hop in the loopback baseline
                 via = f"127.0.0.1:{proxy.port}" if cfg.rtt_ms > 0 else address
                 gen = await generate(via, drafter, ids, cfg, plan.max_new_tokens, seed)

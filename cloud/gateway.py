@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import tritonclient.grpc.aio as aioclient
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from specsplit.cloud.admission import Admission, Refused, Ticket, client_key
+from specsplit.cloud.cloud_led import cloud_led_rounds
+from specsplit.cloud.health import update_health, watch_health
 from specsplit.cloud.identity import ModelIdentity
 from specsplit.cloud.lease import Lease
 from specsplit.cloud.limits import (
@@ -154,15 +156,21 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             return
         if first.WhichOneof("msg") != "start":
             raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
+        if first.start.cloud_only and first.start.cloud_led:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT, "cloud_only and cloud_led exclude each other"
+            )
         session = self._open(first.start)
         ticket.reserve(len(session.prompt) + session.max_new_tokens)
         speculative = not first.start.cloud_only
         await triton.start(
             session.prompt, session.sampling, session.mode, session.seed, speculative
         )
-        yield pb.ServerMessage(started=self._started(session))
+        yield pb.ServerMessage(started=self._started(session, first.start.cloud_led))
         if first.start.cloud_only:
             rounds = self._cloud_only(session, triton, it)
+        elif first.start.cloud_led:
+            rounds = cloud_led_rounds(self, session, triton, it)
         else:
             rounds = self._speculative(session, triton, it)
         async for verdict in rounds:
@@ -171,6 +179,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             committed_len=session.committed_len,
             reason=int(session.finish),
             target_forward_passes=session.rounds,
+            drafts_dropped=session.drafts_dropped,
+            drafts_used=session.drafts_used,
         )
         yield pb.ServerMessage(finished=finished)
 
@@ -216,7 +226,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             stop_ids=frozenset(start.sampling.stop_token_ids),
         )
 
-    def _started(self, session: Session) -> pb.Started:
+    def _started(self, session: Session, cloud_led: bool) -> pb.Started:
         lim = self.model.limits
         return pb.Started(
             session_id=uuid.uuid4().hex,
@@ -231,6 +241,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             committed_len=session.committed_len,
             max_new_tokens=session.max_new_tokens,
             seed=session.seed,
+            q_counts=True,
+            cloud_led=cloud_led,
         )
 
     async def _speculative(self, session: Session, triton: Lease, it):
@@ -247,7 +259,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             session.check_draft(draft.base_len, draft.tokens, len(draft.q))
             q = self._parse_q(draft) if session.mode is Mode.REJECTION else None
             verdict = await self._round(session, triton, list(draft.tokens), q, t0)
-            verdict.round = draft.round
+            verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)
             yield verdict
             if session.finish is not Finish.NONE:
                 return
@@ -363,8 +375,10 @@ async def start_gateway(
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
-    await _update_health(service, health_servicer)  # known before anyone is told we are ready
-    service.health_task = asyncio.create_task(_watch_health(service, health_servicer))
+    await update_health(
+        service.replicas, health_servicer
+    )  # known before anyone is told we are ready
+    service.health_task = asyncio.create_task(watch_health(service.replicas, health_servicer))
     return server, bound, service
 
 
@@ -377,18 +391,3 @@ def _handlers(service: SpeculativeService) -> grpc.GenericRpcHandler:
         response_serializer=pb.ServerMessage.SerializeToString,
     )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": generate})
-
-
-async def _update_health(service: SpeculativeService, servicer) -> None:
-    ready = await service.replicas.refresh()  # serving while any replica is
-    status = health_pb2.HealthCheckResponse
-    for name in ("", SERVICE_NAME):
-        await servicer.set(name, status.SERVING if ready else status.NOT_SERVING)
-
-
-async def _watch_health(service: SpeculativeService, servicer, period_s: float = 2.0) -> None:
-    """Health follows the target's readiness in Triton, so a balancer stops routing here when
-    every replica is down; replicas that come back are used again."""
-    while True:
-        await asyncio.sleep(period_s)
-        await _update_health(service, servicer)

@@ -47,6 +47,7 @@ class _Stream:
 
     mode: str = "none"  # "split" or "cloud_only" once Start arrived
     pending: deque[int] = field(default_factory=deque)  # block sizes awaiting their verdict
+    cloud_led: bool = False  # Started said so: every Verdict carries drafts_verified
     outcome: str = ""  # the finish reason, once Finished is sent
 
 
@@ -185,14 +186,20 @@ class GatewayMetrics:
         kind = msg.WhichOneof("msg")
         if kind == "start":
             stream.mode = "cloud_only" if msg.start.cloud_only else "split"
-        elif kind == "draft":
+        elif kind == "draft" and not stream.cloud_led:
             stream.pending.append(len(msg.draft.tokens))
 
     def observe_response(self, stream: _Stream, msg: pb.ServerMessage) -> None:
         self.bytes_out.inc(msg.ByteSize())
         kind = msg.WhichOneof("msg")
+        if kind == "started":
+            # cloud-led: Drafts and Verdicts do not pair up; each Verdict says what it verified
+            stream.cloud_led = msg.started.cloud_led
         if kind == "verdict":
-            k = stream.pending.popleft() if stream.pending else 0
+            if stream.cloud_led:
+                k = msg.verdict.drafts_verified
+            else:
+                k = stream.pending.popleft() if stream.pending else 0
             self.observe_verdict(stream.mode, k, msg.verdict)
         elif kind == "finished":
             stream.outcome = _FINISH.get(msg.finished.reason, "")

@@ -83,6 +83,8 @@ class Session:
     committed: list[int] = field(default_factory=list)
     finish: Finish = Finish.NONE
     rounds: int = 0
+    drafts_dropped: int = 0  # cloud-led: Drafts never verified
+    drafts_used: int = 0
 
     def __post_init__(self) -> None:
         self.committed = list(self.prompt)
@@ -95,14 +97,22 @@ class Session:
     def new_tokens(self) -> int:
         return len(self.committed) - len(self.prompt)
 
-    def check_draft(self, base_len: int, tokens: Sequence[int], n_q: int) -> None:
-        """Validates a Draft against the session; raises ProtocolError."""
+    def check_draft(
+        self, base_len: int, tokens: Sequence[int], n_q: int, exact_base: bool = True
+    ) -> None:
+        """Validates a Draft against the session; raises ProtocolError. ``exact_base`` False
+        (cloud-led): any base_len up to committed_len (an older Draft is stale, not wrong)."""
         if self.finish is not Finish.NONE:
             raise ProtocolError(Code.FAILED_PRECONDITION, "generation already finished")
-        if base_len != self.committed_len:
+        if exact_base and base_len != self.committed_len:
             raise ProtocolError(
                 Code.FAILED_PRECONDITION,
                 f"base_len {base_len} != committed_len {self.committed_len}",
+            )
+        if base_len > self.committed_len:
+            raise ProtocolError(
+                Code.FAILED_PRECONDITION,
+                f"base_len {base_len} > committed_len {self.committed_len}",
             )
         if len(tokens) > self.limits.max_draft_tokens:
             raise ProtocolError(

@@ -70,7 +70,9 @@ def _q_tensors(q: Sequence[SparseDist]) -> list[grpcclient.InferInput]:
     probs = np.zeros((1, len(q), m), dtype=np.float32)
     for i, d in enumerate(q):
         ids[0, i, : len(d.ids)] = d.ids
-        probs[0, i, : len(d.ids)] = d.probs
+        # Counts travel as exact integers; the model divides by their sum in float64, as the
+        # edge did: the q it verifies against is bit for bit the one the draft sampled from.
+        probs[0, i, : len(d.ids)] = d.probs if d.counts is None else d.counts
     return [_tensor("Q_IDS", ids, "INT64"), _tensor("Q_PROBS", probs, "FP32")]
 
 

@@ -9,7 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.client import (
+    MODES,
+    SESSION_MODES,
+    GenerationConfig,
+    SpecsplitError,
+    SplitClient,
+)
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, ensure_draft_onnx
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.shared.acceptance import Mode
@@ -43,6 +49,8 @@ def _config(args) -> GenerationConfig:
         sampling=sampling,
         seed=args.seed,
         draft_tokens=args.draft_tokens,
+        adaptive=False if args.fixed_k else None,
+        session_mode=args.session_mode,
         verification=VERIFICATION[args.verification],
         retry_window_s=args.retry_window,
     )
@@ -227,7 +235,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
     )
-    g.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per round")
+    g.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=8,
+        help="the largest k (tokens drafted per round); k adapts per round unless --fixed-k",
+    )
+    g.add_argument("--fixed-k", action="store_true", help="draft exactly --draft-tokens per round")
+    g.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default="auto",
+        help="lock-step rounds, or cloud-led (the cloud never waits for drafts)",
+    )
     g.add_argument("--verification", choices=tuple(VERIFICATION), default="auto")
     g.add_argument("--mode", choices=MODES, default="split")
     g.add_argument(

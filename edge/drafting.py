@@ -13,7 +13,15 @@ from typing import Protocol
 
 import numpy as np
 
-from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, softmax
+from specsplit.shared.sampling import (
+    Q_LEVELS,
+    SamplingConfig,
+    SparseDist,
+    logits_to_probs,
+    quantise,
+    sample,
+    softmax,
+)
 
 DEFAULT_Q_ENTRIES = 32
 
@@ -40,12 +48,15 @@ class Block:
         return Block(self.tokens[:k], None if self.q is None else self.q[:k])
 
 
-def draft_distribution(logits: np.ndarray, cfg: SamplingConfig, max_entries: int) -> SparseDist:
+def draft_distribution(
+    logits: np.ndarray, cfg: SamplingConfig, max_entries: int, q_levels: int = Q_LEVELS
+) -> SparseDist:
     """The draft's q from logits [V]: the max_entries most likely tokens, then temperature,
-    top-k and top-p within them.
+    top-k and top-p within them, then quantised to ``q_levels`` steps (0: float q).
 
     Truncating first keeps the edge's cost O(m) instead of sorting the whole vocabulary. Any q is
-    lossless (the cloud corrects for it); only acceptance depends on how close q is to p.
+    lossless (the cloud corrects for it) as long as the draft samples from the very q it sends;
+    only acceptance depends on how close q is to p.
     """
     m = min(max_entries, cfg.top_k or max_entries, logits.shape[-1])
     ids = np.argpartition(logits, -m)[-m:]
@@ -54,7 +65,8 @@ def draft_distribution(logits: np.ndarray, cfg: SamplingConfig, max_entries: int
     if cfg.top_p < 1.0:
         keep = (np.cumsum(probs) - probs) < cfg.top_p
         ids, probs = ids[keep], probs[keep] / probs[keep].sum()
-    return SparseDist(ids=ids.astype(np.int64), probs=probs)
+    q = SparseDist(ids=ids.astype(np.int64), probs=probs)
+    return quantise(q, q_levels) if q_levels else q
 
 
 def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
@@ -76,6 +88,7 @@ def draft_block(
     cfg: SamplingConfig,
     rng: np.random.Generator | None,
     q_entries: int = DEFAULT_Q_ENTRIES,
+    q_levels: int = Q_LEVELS,
 ) -> Block:
     """Proposes k tokens after ``committed``. d_k is not fed back (the verdict decides its fate)."""
     logits = next_logits(drafter, committed)
@@ -85,7 +98,7 @@ def draft_block(
         if cfg.greedy:
             tokens.append(int(np.argmax(logits)))
         else:
-            q = draft_distribution(logits, cfg, q_entries)
+            q = draft_distribution(logits, cfg, q_entries, q_levels)
             tokens.append(int(q.ids[sample(q.probs, rng)]))
             qs.append(q)
         if i + 1 < k:
@@ -100,13 +113,14 @@ def propose(
     cfg: SamplingConfig,
     rng: np.random.Generator | None,
     q_entries: int = DEFAULT_Q_ENTRIES,
+    q_levels: int = Q_LEVELS,
 ) -> Block:
     """The drafter's own ``propose`` when it has one (a replay of recorded blocks in the load
     benchmark), else ``draft_block``."""
     own = getattr(drafter, "propose", None)
     if own is not None:
         return own(committed, k, cfg, rng, q_entries)
-    return draft_block(drafter, committed, k, cfg, rng, q_entries)
+    return draft_block(drafter, committed, k, cfg, rng, q_entries, q_levels)
 
 
 def top_token(drafter: Drafter, committed: Sequence[int]) -> int:

@@ -21,6 +21,8 @@ class GenerationStats:
     bytes_down: int = 0
     retries: int = 0  # streams re-opened after UNAVAILABLE
     ahead_hits: int = 0  # rounds whose block was drafted while the previous verdict was in flight
+    drafts_sent: int = 0  # cloud-led: Drafts sent
+    drafts_dropped: int = 0  # cloud-led: Drafts the cloud dropped as stale (never verified)
     finish: str = ""
     seed: int | None = None  # the seed in force (the server's pick when none was given)
     draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge
@@ -29,6 +31,7 @@ class GenerationStats:
     server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
     queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
     block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
+    k_chosen: list[int] = field(default_factory=list)  # per round, the adaptive k
     batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
     batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
     token_times_s: list[float] = field(default_factory=list)  # commit time of each token

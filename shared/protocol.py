@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - only without a build
     ) from e
 
 from specsplit.shared.acceptance import Mode
-from specsplit.shared.sampling import SamplingConfig, SparseDist
+from specsplit.shared.sampling import SamplingConfig, SparseDist, from_counts
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_1
 SERVICE_NAME = "specsplit.v1.SpeculativeDecoding"
@@ -46,20 +46,31 @@ def sampling_params(
     )
 
 
-def sparse_to_pb(q: SparseDist) -> pb.SparseDistribution:
+def sparse_to_pb(q: SparseDist, counts_ok: bool = True) -> pb.SparseDistribution:
+    """Counts (one byte per entry) when q is quantised and the server takes them, else floats."""
+    if q.counts is not None and counts_ok:
+        return pb.SparseDistribution(token_ids=q.ids.tolist(), counts=q.counts.tobytes())
     return pb.SparseDistribution(token_ids=q.ids.tolist(), probs=q.probs.tolist())
 
 
 def sparse_from_pb(msg: pb.SparseDistribution, vocab_size: int) -> SparseDist:
     """Validates and renormalises one position's q. Raises ValueError with the reason."""
     ids = np.asarray(msg.token_ids, dtype=np.int64)
-    probs = np.asarray(msg.probs, dtype=np.float64)
-    if ids.size == 0 or ids.size != probs.size:
-        raise ValueError(f"q needs as many probs as token_ids (got {ids.size} and {probs.size})")
+    if msg.counts and len(msg.probs):
+        raise ValueError("q sets both probs and counts (exactly one is allowed)")
+    n = len(msg.counts) if msg.counts else len(msg.probs)
+    if ids.size == 0 or ids.size != n:
+        raise ValueError(f"q needs as many probs or counts as token_ids (got {ids.size} and {n})")
     if ids.max() >= vocab_size:
         raise ValueError(f"q token id {int(ids.max())} outside the vocabulary [0, {vocab_size})")
     if np.unique(ids).size != ids.size:
         raise ValueError("q token_ids must be distinct")
+    if msg.counts:
+        counts = np.frombuffer(msg.counts, dtype=np.uint8)
+        if not counts.any():
+            raise ValueError("q counts must not all be 0")
+        return from_counts(ids, counts)
+    probs = np.asarray(msg.probs, dtype=np.float64)
     if not np.all(np.isfinite(probs)) or probs.min() < 0:
         raise ValueError("q probabilities must be finite and >= 0")
     total = probs.sum()

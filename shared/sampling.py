@@ -100,6 +100,8 @@ class SparseDist:
 
     ids: np.ndarray  # [m] int64
     probs: np.ndarray  # [m] float64
+    # [m] uint8 when quantised: probs == counts / counts.sum() exactly (see ``quantise``)
+    counts: np.ndarray | None = None
 
     def prob_of(self, token: int) -> float:
         hit = np.flatnonzero(self.ids == token)
@@ -123,3 +125,29 @@ def truncate(probs: np.ndarray, max_entries: int) -> SparseDist:
         nz = nz[top]
     p = probs[nz]
     return SparseDist(ids=nz.astype(np.int64), probs=p / p.sum())
+
+
+Q_LEVELS = 127  # quantised q: steps of about 1/127, one byte per entry (bench/qbytes.py)
+
+
+def quantise(q: SparseDist, levels: int = Q_LEVELS) -> SparseDist:
+    """q rounded to integer counts c_j <= levels, entries rounded to 0 dropped, and
+    probs = c / sum(c) in float64.
+
+    The edge SAMPLES from this quantised q and sends the counts (one byte each): the cloud
+    rebuilds probs with the same float64 division, so the q it verifies against is bit for bit
+    the q the draft token came from, and speculative sampling stays exact. Dropping entries below
+    half a step costs acceptance at most their mass (≤ m / (2 * levels)).
+    """
+    assert 1 <= levels <= 255, levels
+    counts = np.floor(q.probs * levels + 0.5)
+    counts[np.argmax(q.probs)] = max(1.0, counts[np.argmax(q.probs)])  # never an empty support
+    keep = counts > 0
+    return from_counts(q.ids[keep], counts[keep].astype(np.uint8))
+
+
+def from_counts(ids: np.ndarray, counts: np.ndarray) -> SparseDist:
+    """The distribution counts / sum(counts) over ``ids`` (both sides compute it the same way)."""
+    c = np.asarray(counts, dtype=np.uint8)
+    probs = c.astype(np.float64) / float(c.sum(dtype=np.int64))
+    return SparseDist(ids=np.asarray(ids, dtype=np.int64), probs=probs, counts=c)

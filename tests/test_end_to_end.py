@@ -46,7 +46,7 @@ def references(tiny):
 def test_greedy_split_equals_target_greedy(cloud, tiny, references, k, draft):
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
     for prompt in PROMPTS:
-        # k fixed (no hint): the invariants below are about blocks of exactly k drafts
+        # k fixed (no hint, so lock-step): the invariants below are about blocks of exactly k
         cfg = dict(max_new_tokens=N_NEW, draft_tokens=k, follow_hint=False)
         gen = run(generate(cloud.address, drafter, prompt, **cfg))
         s = gen.stats

@@ -90,6 +90,26 @@ def test_write_report_from_raw_alone(tmp_path):
         )
     )
     text = write_report(raw, meta, tmp_path, "b").read_text()
-    assert "| split | 4 | 5.00 | 2.00 |" in text  # 10 tokens / 2 s vs 10 / 4 s
+    assert "| lock-step | 4 | 5.00 | 2.00 |" in text  # 10 tokens / 2 s vs 10 / 4 s
     assert "met: split ≥ 1.5× cloud-only" in text
-    assert (tmp_path / "img" / "b-speedup-t0.png").stat().st_size > 0
+    assert (tmp_path / "img" / "b-tok-s-vs-rtt-t0.png").stat().st_size > 0
+
+
+def test_default_mode_targets_per_condition():
+    from bench.report_modes import targets
+
+    cloud = rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0, link="")
+    fixed = rec(mode="lock-step", k=4, wall=2.0, link="")
+    led_fast = rec(mode="cloud-led", k=8, wall=1.6, link="")  # 2.5x cloud-only, 1.25x best k
+    lines = targets([cloud, fixed, led_fast], "code")
+    assert lines[-1].endswith("| 2.50 | 1.25 | met |")
+    led_slow = rec(mode="cloud-led", k=8, wall=2.5, link="")  # 1.6x cloud-only < 2.3 at RTT 0
+    assert targets([cloud, fixed, led_slow], "code")[-1].endswith("| MISSED |")
+
+
+def test_bytes_per_token_by_mode():
+    from bench.report_modes import bytes_table
+
+    lines = bytes_table([rec(mode="cloud-led", k=8, link=""), rec(mode="lock-step", link="")])
+    assert "| lock-step | 0 | 4 | 10 | 0.75 |" in lines
+    assert "| cloud-led | 0 | 4 | 10 | 0.75 |" in lines

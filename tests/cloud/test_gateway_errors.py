@@ -123,6 +123,19 @@ CASES = {
         grpc.StatusCode.FAILED_PRECONDITION,
         "cloud_only",
     ),
+    "cloud-led draft past committed_len": (
+        [start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_led=True), draft(10**6, [1])],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "> committed_len",
+    ),
+    "cloud-led q not a distribution": (
+        [
+            start(sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=400), cloud_led=True),
+            draft(3, [1], q=[q_of(1, 0.5)]),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sum to 1",
+    ),
     "infinite temperature": (
         [start(sampling=pb.SamplingParams(temperature=float("inf"), max_new_tokens=4))],
         grpc.StatusCode.INVALID_ARGUMENT,

@@ -211,11 +211,16 @@ def test_counters_equal_the_clients_stats_on_real_parts(tiny, tmp_path):
     args = ("--target", str(tiny.target), "--metrics-port", str(port))
     same, unrelated = OnnxDrafter(tiny.target_onnx), OnnxDrafter(tiny.draft_onnx)
     # The target as its own draft accepts everything, the unrelated draft next to nothing.
-    runs = (([1, 2, 3], same, 4), ([42, 7], unrelated, 3))
+    # One lock-step and one cloud-led session (where Drafts and Verdicts do not pair up).
+    runs = (([1, 2, 3], same, 4, "cloud-led"), ([42, 7], unrelated, 3, "lock-step"))
     with CloudProcess(*args, log_dir=tmp_path) as cloud:
         split = [
-            asyncio.run(generate(cloud.address, d, p, "split", max_new_tokens=21, draft_tokens=k))
-            for p, d, k in runs
+            asyncio.run(
+                generate(
+                    cloud.address, d, p, "split", max_new_tokens=21, draft_tokens=k, session_mode=m
+                )
+            )
+            for p, d, k, m in runs
         ]
         only = asyncio.run(generate(cloud.address, None, [5, 6], "cloud-only", max_new_tokens=5))
         m = samples(scrape(f"http://127.0.0.1:{port}/metrics"))

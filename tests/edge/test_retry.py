@@ -53,7 +53,7 @@ class FinalThenBreak:
                 seed=5,
             )
         )
-        if not first.start.cloud_only:
+        if not first.start.cloud_only:  # a lock-step server (it never sets Started.cloud_led)
             await request_iterator.__anext__()  # the Draft the verdict answers
         yield pb.ServerMessage(
             verdict=pb.Verdict(

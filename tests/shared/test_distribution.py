@@ -27,7 +27,14 @@ import pytest
 from scipy import stats
 
 from specsplit.shared.acceptance import RoundResult, verify_rejection, verify_token_only
-from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs, sample, truncate
+from specsplit.shared.sampling import (
+    SamplingConfig,
+    SparseDist,
+    logits_to_probs,
+    quantise,
+    sample,
+    truncate,
+)
 
 V = 5
 N = 200_000
@@ -39,7 +46,10 @@ Prefix = tuple[int, ...]
 Rule = Callable[[np.ndarray, list[int], list[SparseDist], np.random.Generator], RoundResult]
 
 
-def make_tables(seed: int) -> tuple[dict[Prefix, np.ndarray], dict[Prefix, SparseDist]]:
+def make_tables(
+    seed: int, q_levels: int = 0
+) -> tuple[dict[Prefix, np.ndarray], dict[Prefix, SparseDist]]:
+    """q_levels > 0: the draft samples from q quantised as the edge sends it (one byte/entry)."""
     rng = np.random.default_rng(seed)
     p: dict[Prefix, np.ndarray] = {}
     q: dict[Prefix, SparseDist] = {}
@@ -49,6 +59,8 @@ def make_tables(seed: int) -> tuple[dict[Prefix, np.ndarray], dict[Prefix, Spars
             q[prefix] = truncate(
                 logits_to_probs(rng.normal(size=V) * 1.5, SamplingConfig(1.0)), Q_ENTRIES
             )
+            if q_levels:
+                q[prefix] = quantise(q[prefix], q_levels)
     return p, q
 
 
@@ -82,8 +94,10 @@ def chi2_check(counts: np.ndarray, expected_p: np.ndarray) -> tuple[float, float
     return float(((counts[~zero] - expected) ** 2 / expected).sum()), threshold
 
 
-def run(rule: Rule, k: int, seed: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    p_tab, q_tab = make_tables(seed)
+def run(
+    rule: Rule, k: int, seed: int, q_levels: int = 0
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    p_tab, q_tab = make_tables(seed, q_levels)
     rng = np.random.default_rng(seed + 1)
     joint = np.zeros((V, V), dtype=np.int64)
     for _ in range(N):
@@ -144,6 +158,13 @@ def test_first_two_tokens_follow_target_k2(rule):
 def test_first_token_follows_target_k1(rule):
     # k = 1 makes the first token come from a single round (bonus or correction) more often.
     (s1, t1), (s2, t2) = run(rule, k=1, seed=23)
+    assert s1 < t1 and s2 < t2, (s1, t1, s2, t2)
+
+
+@pytest.mark.slow
+def test_quantised_q_follows_target():
+    # coarse steps (1/7) so quantisation really moves q; the draft samples from that q
+    (s1, t1), (s2, t2) = run(rejection, k=2, seed=31, q_levels=7)
     assert s1 < t1 and s2 < t2, (s1, t1, s2, t2)
 
 

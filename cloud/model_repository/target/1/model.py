@@ -81,9 +81,12 @@ def _sparse_q(request) -> list | None:
     if ids is None:
         return None
     ids, probs = ids.reshape(ids.shape[-2:]), probs.reshape(probs.shape[-2:])  # [k, m]
-    return [
-        SparseDist(i[i >= 0], p[i >= 0].astype(np.float64)) for i, p in zip(ids, probs, strict=True)
-    ]
+    # Q_PROBS holds probabilities or quantised counts: normalising in float64 serves both.
+    out = []
+    for i, p in zip(ids, probs, strict=True):
+        kept = p[i >= 0].astype(np.float64)
+        out.append(SparseDist(i[i >= 0], kept / kept.sum()))
+    return out
 
 
 def _parse(request) -> Request:

@@ -1,0 +1,137 @@
+"""The session-mode parts of the benchmark report: targets per condition, bytes per token per
+mode, and tok/s against RTT per mode. Helpers of ``bench.report`` (which owns the page)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+SPLIT = ("lock-step", "lock-step-adaptive", "cloud-led")
+DEFAULT_MODE = "cloud-led"  # what GenerationConfig() runs (session_mode "auto", adaptive k)
+TARGET_VS_CLOUD = 1.0
+TARGET_VS_BEST_K = 0.97
+TARGET_RTT0_GREEDY_CODE = 2.3
+
+
+def normalise(r: dict) -> dict:
+    """The bench's mode names. Records of runs before session modes: "split" was lock-step
+    with a fixed k; early session-mode records carry the edge's "split" but their key says."""
+    if "key" in r and r["mode"] == "split":
+        r["mode"] = r["key"].split("/", 1)[0]
+    if r["mode"] == "split":
+        r["mode"] = "lock-step"
+    r.setdefault("link", "")
+    return r
+
+
+def condition(rtt: float, link: str) -> str:
+    return "LTE (50 ± 10 ms, 5 / 20 Mbit/s)" if link == "lte" else f"{rtt:g} ms"
+
+
+def step_ms(records: list[dict], temperature: float) -> float | None:
+    """The target's step: median forward pass of cloud-only at this temperature."""
+    v = [x for r in records for x in r["verify_ms"] if r["mode"] == "cloud-only"]
+    v = v or [x for r in records for x in r["verify_ms"]]
+    return float(np.median(v)) if v else None
+
+
+def _tok_s(records: list[dict]) -> float:
+    wall = sum(r["wall_s"] for r in records)
+    return sum(r["new_tokens"] for r in records) / wall if wall else 0.0
+
+
+def targets(records: list[dict], cls: str | None = None) -> list[str]:
+    """Per condition and temperature: the default mode against cloud-only and the best fixed k."""
+    lines = [
+        f"Default = {DEFAULT_MODE} (no k given). Targets: ≥ {TARGET_VS_CLOUD:g}× cloud-only and"
+        f" ≥ {TARGET_VS_BEST_K:g}× the best fixed k at every condition; ≥"
+        f" {TARGET_RTT0_GREEDY_CODE:g}× cloud-only at RTT 0, greedy, code.",
+        "",
+        "| condition | T | RTT ÷ step | default tok/s | cloud-only | best fixed k (tok/s) |"
+        " × cloud-only | × best k | met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [r for r in records if cls is None or r["class"] == cls]
+    keys = sorted({(r["link"], r["rtt_ms"], r["temperature"]) for r in rows if r["mode"] in SPLIT})
+    for link, rtt, t in keys:
+        here = [r for r in rows if (r["link"], r["rtt_ms"], r["temperature"]) == (link, rtt, t)]
+        default = [r for r in here if r["mode"] == DEFAULT_MODE]
+        cloud = [r for r in here if r["mode"] == "cloud-only"]
+        fixed: dict[int, list[dict]] = {}
+        for r in here:
+            if r["mode"] == "lock-step":
+                fixed.setdefault(r["k"], []).append(r)
+        if not (default and cloud):
+            continue
+        d, c = _tok_s(default), _tok_s(cloud)
+        best_k, best = max(
+            ((k, _tok_s(g)) for k, g in fixed.items()), key=lambda x: x[1], default=(None, None)
+        )
+        vs_best = d / best if best else None
+        need = TARGET_RTT0_GREEDY_CODE if (rtt == 0 and not link and t == 0) else TARGET_VS_CLOUD
+        met = d / c >= need and (vs_best is None or vs_best >= TARGET_VS_BEST_K)
+        step = step_ms(records, t)
+        lines.append(
+            f"| {condition(rtt, link)} | {t:g} | {rtt / step:.2f} | {d:.2f} | {c:.2f} "
+            f"| {'–' if best is None else f'k={best_k} ({best:.2f})'} | {d / c:.2f} "
+            f"| {'–' if vs_best is None else f'{vs_best:.2f}'} | {'met' if met else 'MISSED'} |"
+            if step
+            else f"| {condition(rtt, link)} | {t:g} | – | {d:.2f} | {c:.2f} | – | {d / c:.2f} "
+            f"| – | {'met' if met else 'MISSED'} |"
+        )
+    return lines
+
+
+def bytes_table(records: list[dict]) -> list[str]:
+    lines = [
+        "| mode | T | bytes up / token | bytes down / token | acceptance |",
+        "|---|---|---|---|---|",
+    ]
+    order = ("cloud-only", *SPLIT)
+    keys = sorted(
+        {(r["mode"], r["temperature"]) for r in records if r["mode"] in order},
+        key=lambda x: (x[1], order.index(x[0])),
+    )
+    for mode, t in keys:
+        g = [r for r in records if (r["mode"], r["temperature"]) == (mode, t)]
+        new = sum(r["new_tokens"] for r in g)
+        drafted = sum(r["drafted"] for r in g)
+        acc = f"{sum(r['accepted'] for r in g) / drafted:.2f}" if drafted else "–"
+        up, down = sum(r["bytes_up"] for r in g) / new, sum(r["bytes_down"] for r in g) / new
+        lines.append(f"| {mode} | {t:g} | {up:.0f} | {down:.0f} | {acc} |")
+    return lines
+
+
+def speed_plots(records: list[dict], out: Path, name: str) -> list[str]:
+    """tok/s against RTT, one line per mode (and fixed k), per temperature; LTE left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for t in sorted({r["temperature"] for r in records}):
+        rows = [r for r in records if r["temperature"] == t and not r["link"]]
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        labels = sorted(
+            {(r["mode"], r["k"]) for r in rows if r["mode"] != "edge-only"},
+            key=lambda x: (x[0] != "cloud-only", x[0], x[1]),
+        )
+        for mode, k in labels:
+            g = [r for r in rows if (r["mode"], r["k"]) == (mode, k)]
+            pts = sorted(
+                (rtt, _tok_s([r for r in g if r["rtt_ms"] == rtt]))
+                for rtt in {r["rtt_ms"] for r in g}
+            )
+            label = f"lock-step k={k}" if mode == "lock-step" else mode
+            style = {"c": "black", "lw": 2} if mode == "cloud-only" else {}
+            ax.plot(*zip(*pts, strict=True), marker="o", label=label, **style)
+        ax.set_xscale("symlog", linthresh=20)
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel="emulated RTT (ms)", ylabel="tokens/s", title=f"tok/s vs RTT, T={t:g}")
+        ax.legend(fontsize=8)
+        files.append(f"img/{name}-tok-s-vs-rtt-t{t:g}.png")
+        fig.savefig(out / files[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return files

@@ -1,0 +1,132 @@
+"""Cloud-led sessions (Start.cloud_led, DESIGN §7): the target never waits for the network.
+
+The target steps continuously, as in cloud-only. A reader task takes Drafts as they arrive into
+a small pool; before every step the most recently received Draft consistent with the committed
+prefix lends its tokens beyond committed_len to that step's forward pass, which verifies them
+with the session's rule. Stale Drafts are dropped and counted, never an error.
+
+Why it is lossless: each step is one round of speculative sampling at committed_len c (k = 0
+when no Draft fits), whose output follows p exactly for any k and any proposal, provided every
+verified token was sampled from the q sent with it, with randomness independent of the step's.
+The edge's randomness is its own stream (keyed by position, and a position is verified at most
+once: afterwards it is committed); the step's randomness is keyed by (seed, c) as in lock-step,
+and c grows strictly from step to step, so every step draws fresh numbers whether or not a Draft
+came. Which Draft is picked depends only on timing and on tokens before c, never on the numbers
+the step draws. The consistency check is what makes drafts worth verifying (tokens drafted after
+another prefix are rarely accepted); correctness does not depend on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from specsplit.cloud.limits import next_message
+from specsplit.cloud.session import Code, Finish, ProtocolError, Session
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SparseDist
+
+POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
+
+
+@dataclass
+class PendingDraft:
+    round: int
+    base_len: int
+    tokens: list[int]
+    q: list[SparseDist] | None
+    used: bool = False
+
+    def offset(self, committed: list[int]) -> int | None:
+        """How many of its tokens are already committed, None when it is inconsistent."""
+        off = len(committed) - self.base_len
+        if not 0 <= off < len(self.tokens):
+            return None
+        return off if self.tokens[:off] == committed[self.base_len :] else None
+
+
+class DraftPool:
+    def __init__(self) -> None:
+        self.drafts: deque[PendingDraft] = deque()
+        self.dropped = 0  # removed without ever being verified
+        self.used = 0
+
+    def add(self, draft: PendingDraft) -> None:
+        self.drafts.append(draft)
+        if len(self.drafts) > POOL:
+            self._drop(self.drafts.popleft())
+
+    def _drop(self, draft: PendingDraft) -> None:
+        self.dropped += not draft.used
+
+    def take(self, committed: list[int], limit: int) -> tuple[PendingDraft | None, list, list]:
+        """The freshest consistent Draft and its next ``limit`` tokens (and q) after
+        committed_len; stale Drafts leave the pool."""
+        best, keep = None, deque()
+        for draft in self.drafts:  # oldest first: the last consistent one is the freshest
+            if draft.offset(committed) is None:
+                self._drop(draft)
+            else:
+                keep.append(draft)
+                best = draft
+        self.drafts = keep
+        if best is None or limit <= 0:
+            return None, [], []
+        self.used += not best.used
+        best.used = True
+        off = best.offset(committed)
+        tokens = best.tokens[off : off + limit]
+        return best, tokens, [] if best.q is None else best.q[off : off + limit]
+
+
+async def cloud_led_rounds(service, session: Session, triton, it):
+    """Verdicts of a cloud-led session, one per target step, until generation ends."""
+    pool = DraftPool()
+    refused: list[ProtocolError] = []
+    stop = asyncio.Event()
+
+    async def read() -> None:
+        try:  # no idle timeout: the edge may stop drafting while the cloud streams on
+            while (msg := await next_message(it, None, "Draft or Finish")) is not None:
+                kind = msg.WhichOneof("msg")
+                if kind == "finish":
+                    break
+                if kind != "draft":
+                    raise ProtocolError(Code.FAILED_PRECONDITION, f"unexpected {kind} after Start")
+                d = msg.draft
+                if session.finish is not Finish.NONE:
+                    continue  # sent before the client heard the final verdict: not an error
+                session.check_draft(d.base_len, d.tokens, len(d.q), exact_base=False)
+                q = service._parse_q(d) if session.mode is Mode.REJECTION else None
+                pool.add(PendingDraft(d.round, d.base_len, list(d.tokens), q))
+            else:
+                return  # a half-close: the client only listens from now on
+        except ProtocolError as e:
+            refused.append(e)
+        stop.set()
+
+    reader = asyncio.create_task(read())
+    limit = session.limits.max_draft_tokens
+    try:
+        while session.finish is Finish.NONE:
+            if stop.is_set():
+                if refused:
+                    raise refused[0]
+                session.finish = Finish.CANCELLED
+                break
+            t0 = time.perf_counter()
+            draft, tokens, q = pool.take(session.committed, limit)
+            verdict = await service._round(session, triton, tokens, q or None, t0)
+            verdict.round = draft.round if draft is not None else 0
+            verdict.drafts_dropped = pool.dropped
+            verdict.drafts_verified = len(tokens)
+            yield verdict  # its hint caps the edge's speculation; the edge obeys it there
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
+        session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)
+        session.drafts_used = pool.used

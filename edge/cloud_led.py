@@ -1,0 +1,202 @@
+"""Cloud-led rounds on the edge (DESIGN §7): draft ahead continuously, never hold the cloud up.
+
+The cloud streams one Verdict per target step whether or not Drafts arrive. Here the edge keeps
+a speculation: its own draft tokens after the committed prefix, extended one token at a time in
+a worker thread. Every few new tokens it sends the whole speculation as a Draft from its latest
+known committed_len; the cloud verifies the part it has not committed yet. A Verdict that agrees
+with the speculation consumes its head; one that does not restarts it from the committed prefix.
+
+Draft randomness is keyed by (seed, position), so a token drafted twice after the same prefix is
+the same token: a speculation rebuilt after a Verdict equals the one drafted before it.
+Drafting pauses when it does not pay (almost nothing accepted); the cloud streams on regardless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from specsplit.edge.adaptive import DraftLength
+from specsplit.edge.drafting import draft_distribution, next_logits
+from specsplit.edge.session import Session
+from specsplit.edge.worker import Stoppable, Worker
+from specsplit.shared.protocol import pb, sparse_to_pb
+from specsplit.shared.sampling import sample
+from specsplit.shared.seeding import round_rng
+
+PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
+PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
+SENT_KEPT = 64  # Drafts remembered to read Verdicts against
+
+
+class _Speculation:
+    """Draft tokens (and their q) after the committed prefix; ``unsent`` not in a Draft yet."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.q: list = []
+        self.unsent = 0
+
+    def consume(self, chunk: list[int]) -> None:
+        if self.tokens[: len(chunk)] == chunk:
+            self.tokens, self.q = self.tokens[len(chunk) :], self.q[len(chunk) :]
+            self.unsent = min(self.unsent, len(self.tokens))
+        else:  # the cloud went elsewhere: everything drafted after the fork is useless
+            self.tokens, self.q, self.unsent = [], [], 0
+
+
+def _draft_one(s: Session, seq: list[int], stop: threading.Event):
+    """One draft token after ``seq`` and the q it was sampled from (None when greedy)."""
+    cfg = s.cfg
+    logits = next_logits(Stoppable(s.drafter, stop), seq)
+    if cfg.sampling.greedy:
+        return int(np.argmax(logits)), None
+    q = draft_distribution(logits, cfg.sampling, cfg.q_entries, cfg.q_levels)
+    rng = round_rng(s.seed, "draft-at", len(seq))
+    return int(q.ids[sample(q.probs, rng)]), q
+
+
+class _Reach:
+    """How far ahead to speculate: the tokens the cloud commits while a Draft is on its way
+    (measured: committed_len at use minus the Draft's base_len), plus twice the positions worth
+    verifying (while the measured chance that all before them are accepted stays >= MIN_REACH;
+    at most k_max and the cloud's hint): once for the step that uses the Draft, once more for
+    the step after it, which starts before the edge hears of the first and can extend it."""
+
+    MIN_REACH = 0.1
+
+    def __init__(self, k_max: int, limit: int):
+        self.k_max, self.limit = k_max, limit
+        self.acceptance = DraftLength(k_max)
+        self.lag: float = 0.0
+
+    def observe(self, offset: int | None, verified: int, accepted: int) -> None:
+        if offset is not None:
+            self.lag = 0.8 * self.lag + 0.2 * offset
+        if verified:
+            self.acceptance.observe(verified, accepted, 0.0)
+
+    def want(self, hint: int) -> int:
+        if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
+            return min(self.limit, self.k_max, hint)
+        reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
+        useful = 1 + int(np.argmin(reach)) if not reach.all() else self.k_max
+        return min(self.limit, round(self.lag) + 2 * min(self.k_max, hint, useful))
+
+
+async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[list[int]]:
+    cfg, stats = s.cfg, s.stats
+    k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
+    reach = _Reach(k_max, started.limits.max_draft_tokens) if cfg.adapts else None
+    send_every = max(1, k_max // 2)
+    rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
+    verdicts: asyncio.Queue = asyncio.Queue()
+
+    async def receive() -> None:
+        try:
+            while True:
+                v = await s.recv("verdict")
+                verdicts.put_nowait(v)
+                if v.finished:
+                    return
+        except Exception as e:  # handed to the loop below, which raises it
+            verdicts.put_nowait(e)
+
+    receiver = asyncio.create_task(receive())
+    spec = _Speculation()
+    sent: dict[int, tuple[int, list[int]]] = {}  # round -> (base_len, tokens)
+    round_no, paused, hint = 0, 0, k_max
+    remaining = started.max_new_tokens
+    t_prev = time.perf_counter()
+    worker: Worker | None = None
+    getter: asyncio.Future | None = None
+    try:
+        while True:
+            ahead = reach.want(hint) if reach else min(k_max, hint)
+            want = max(0, min(ahead, remaining - 1))
+            if worker is None and paused == 0 and len(spec.tokens) < want:
+                prefix = [*s.committed, *spec.tokens]
+                worker = Worker(_draft_one, s, prefix)
+            getter = getter or asyncio.ensure_future(verdicts.get())
+            waits = {getter} if worker is None else {getter, worker.future}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if worker is not None and worker.future.done():
+                token, q = await worker.result()
+                worker = None
+                if prefix == [*s.committed, *spec.tokens]:  # no verdict moved it meanwhile
+                    spec.tokens.append(token)
+                    spec.q.append(q)
+                    spec.unsent += 1
+                    if spec.unsent >= send_every or len(spec.tokens) >= want:
+                        round_no += 1
+                        sent[round_no] = (len(s.committed), list(spec.tokens))
+                        sent.pop(round_no - SENT_KEPT, None)
+                        try:
+                            await _send_draft(s, started, spec, round_no, rejection)
+                        except grpc.aio.AioRpcError:
+                            # The server may end the call (its final verdict) while a Draft is
+                            # on its way: Drafts are optional, the verdicts tell what happened.
+                            paused = -1  # no more drafting on this stream
+                            stats.drafts_sent -= 1
+            if not getter.done():
+                continue
+            ready, getter = [getter.result()], None
+            while not verdicts.empty():
+                ready.append(verdicts.get_nowait())
+            for v in ready:
+                if isinstance(v, Exception):
+                    raise v
+                now = time.perf_counter()
+                offset = len(s.committed) - sent[v.round][0] if v.round in sent else None
+                chunk, verified = _apply(s, v, sent)
+                if reach is not None:
+                    reach.observe(offset, verified, v.accepted)
+                s.observe(v, verified, 0.0, (now - t_prev) * 1e3)
+                t_prev = now
+                spec.consume(chunk)
+                remaining -= len(chunk)
+                if v.HasField("max_draft_tokens_hint") and cfg.follow_hint:
+                    hint = v.max_draft_tokens_hint
+                paused = _pause(stats, paused)
+                yield chunk
+                if v.finished:
+                    return
+    finally:
+        if getter is not None:
+            getter.cancel()
+        if worker is not None:
+            await worker.join()
+        receiver.cancel()
+        stats.drafts_sent += round_no
+
+
+async def _send_draft(s: Session, started, spec: _Speculation, round_no: int, rejection) -> None:
+    draft = pb.Draft(round=round_no, base_len=len(s.committed), tokens=spec.tokens)
+    if rejection:
+        draft.q.extend(sparse_to_pb(q, started.q_counts) for q in spec.q)
+    spec.unsent = 0
+    await s.send(pb.ClientMessage(draft=draft))
+
+
+def _apply(s: Session, v: pb.Verdict, sent: dict) -> tuple[list[int], int]:
+    """Commits a Verdict; returns its chunk and how many draft tokens its step verified."""
+    base, tokens = sent.get(v.round, (len(s.committed), []))
+    off = len(s.committed) - base
+    chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
+    s.committed += chunk
+    return chunk, v.drafts_verified if v.round else 0
+
+
+def _pause(stats, paused: int) -> int:
+    if paused < 0:  # the stream can no longer take Drafts
+        return paused
+    if paused:
+        return paused - 1
+    if stats.drafted >= 4 * PAUSE_VERDICTS and stats.acceptance_rate < PAUSE_BELOW:
+        return PAUSE_VERDICTS
+    return 0

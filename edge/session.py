@@ -1,0 +1,199 @@
+"""One stream of a generation: Start, then the rounds of a session mode, until a final Verdict.
+
+The round loops live in their own modules (``edge.lockstep``, ``edge.cloud_led``); this holds
+what every mode shares: sending and receiving with byte counts, the first block drafted while the
+cloud prefills, the draft-pair check and cloud-only streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from specsplit.edge.drafting import Block, Drafter, propose, top_token
+from specsplit.edge.worker import Stoppable
+from specsplit.shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, sampling_params
+from specsplit.shared.seeding import round_rng
+
+if TYPE_CHECKING:
+    from specsplit.edge.client import GenerationConfig
+    from specsplit.edge.generation import GenerationStats
+
+
+class SpecsplitError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode | None, details: str):
+        super().__init__(f"{code.name if code else 'ERROR'}: {details}")
+        self.code = code
+        self.details = details
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def reason_name(reason: int) -> str:
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
+
+
+class Session:
+    """One stream: Start, then rounds until a finished Verdict."""
+
+    def __init__(
+        self,
+        stub,
+        drafter,
+        cfg: GenerationConfig,
+        stats: GenerationStats,
+        committed,
+        max_new_tokens,
+        seed,
+    ):
+        self.stub, self.drafter, self.cfg, self.stats = stub, drafter, cfg, stats
+        self.committed = list(committed)  # own copy: the caller extends its list from chunks
+        self.max_new_tokens = max_new_tokens
+        self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
+        self.call = None
+        self.metadata = None  # the call's metadata (the bearer token)
+        self.final = ""  # the finish reason, once the final verdict came
+
+    async def send(self, msg: pb.ClientMessage) -> None:
+        self.stats.bytes_up += msg.ByteSize()
+        try:
+            await self.call.write(msg)
+        except asyncio.InvalidStateError:  # the server ended the call first: its status
+            raise rpc_error(await self.call.code(), await self.call.details()) from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INTERNAL:
+                raise
+            # grpc core could not send: the connection broke (a server's own INTERNAL status
+            # would have ended the call before the write). Retryable, like any lost link.
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
+
+    async def recv(self, kind: str):
+        msg = await self.call.read()
+        if msg is grpc.aio.EOF:
+            raise SpecsplitError(None, f"stream closed while waiting for {kind}")
+        self.stats.bytes_down += msg.ByteSize()
+        if msg.WhichOneof("msg") != kind:
+            raise SpecsplitError(None, f"expected {kind}, got {msg.WhichOneof('msg')}")
+        return getattr(msg, kind)
+
+    async def run(self, cloud_only: bool) -> AsyncIterator[list[int]]:
+        from specsplit.edge.cloud_led import cloud_led_rounds
+        from specsplit.edge.lockstep import lockstep_rounds
+
+        cfg = self.cfg
+        led_asked = not cloud_only and cfg.resolved_session_mode() == "cloud-led"
+        self.call = self.stub.Generate(metadata=self.metadata)
+        start = pb.Start(
+            protocol_version=PROTOCOL_VERSION,
+            model=cfg.model,
+            prompt_ids=self.committed,
+            sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
+            verification=MODE_TO_PB.get(cfg.verification, 0),
+            cloud_only=cloud_only,
+            cloud_led=led_asked,
+        )
+        await self.send(pb.ClientMessage(start=start))
+        # Draft the first block (the draft's own prefill included) while the cloud prefills;
+        # a sampled draft needs the seed first, which Started brings when we sent none.
+        early = not (cloud_only or led_asked) and (self.seed is not None or cfg.sampling.greedy)
+        first = self.draft(min(cfg.draft_tokens, self.max_new_tokens - 1)) if early else None
+        started = await self.recv("started")
+        self.seed = self.stats.seed = started.seed
+        cloud_led = led_asked and started.cloud_led  # an older server runs lock-step
+        lockstep = not (cloud_only or cloud_led)
+        if lockstep and first is None:
+            first = self.draft(min(cfg.draft_tokens, started.max_new_tokens - 1))
+        if not cloud_only:
+            self._check_pair(started.model)
+        if cloud_only:
+            rounds = self._cloud_only()
+        elif cloud_led:
+            rounds = cloud_led_rounds(self, started)
+        else:
+            rounds = lockstep_rounds(self, started, first)
+        async for chunk in rounds:
+            yield chunk
+        finished = await self.recv("finished")
+        self.stats.target_forward_passes += finished.target_forward_passes
+        self.stats.drafts_dropped += finished.drafts_dropped
+        self.stats.finish = reason_name(finished.reason)
+        await self.call.done_writing()
+
+    def _check_pair(self, model: pb.ModelInfo) -> None:
+        if self.drafter.vocab_size > model.vocab_size:
+            raise SpecsplitError(
+                None,
+                f"draft vocabulary ({self.drafter.vocab_size}) does not fit the target "
+                f"{model.name!r} ({model.vocab_size}): not a matching draft model",
+            )
+
+    def draft(
+        self, k: int, prefix: list[int] | None = None, drafter: Drafter | None = None
+    ) -> tuple[Block, float]:
+        """A block of k tokens after ``prefix`` (default: the committed prefix), and the time it
+        took (ms). The generator depends only on the prefix length, so a block drafted ahead for
+        a guessed prefix equals the one drafted after the verdict confirms it."""
+        cfg = self.cfg
+        seq = self.committed if prefix is None else prefix
+        rng = None if cfg.sampling.greedy else round_rng(self.seed, "draft", len(seq))
+        t0 = time.perf_counter()
+        block = propose(
+            drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries, cfg.q_levels
+        )
+        return block, (time.perf_counter() - t0) * 1e3
+
+    def draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
+        """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
+        the bonus as the draft's top token and drafts the block after it."""
+        # A drafter with its own propose (the load benchmark's replay) does no forward passes.
+        own = hasattr(self.drafter, "propose")
+        drafter = self.drafter if own else Stoppable(self.drafter, stop)
+        guess = top_token(drafter, seq)
+        return guess, self.draft(k, [*seq, guess], drafter)[0]
+
+    def observe(self, v: pb.Verdict, drafted: int, draft_ms: float, round_ms: float) -> None:
+        """A verdict's statistics (every session mode)."""
+        stats = self.stats
+        stats.rounds += 1
+        stats.drafted += drafted
+        stats.accepted += v.accepted
+        stats.observe_draft(drafted, v.accepted, v.accepted + int(v.has_token))
+        stats.draft_ms.append(draft_ms)
+        stats.round_ms.append(round_ms)
+        stats.verify_ms.append(v.timings.verify_ms)
+        stats.server_ms.append(v.timings.server_ms)
+        stats.queue_ms.append(v.timings.queue_ms)
+        stats.batch_sessions.append(v.timings.batch_sessions)
+        stats.batch_rows.append(v.timings.batch_rows)
+        if v.finished:
+            self.final = reason_name(v.reason)
+
+    async def _cloud_only(self) -> AsyncIterator[list[int]]:
+        t_prev = time.perf_counter()
+        while True:
+            v = await self.recv("verdict")
+            now = time.perf_counter()
+            self.stats.rounds += 1
+            self.stats.round_ms.append((now - t_prev) * 1e3)
+            self.stats.verify_ms.append(v.timings.verify_ms)
+            self.stats.batch_sessions.append(v.timings.batch_sessions)
+            self.stats.batch_rows.append(v.timings.batch_rows)
+            t_prev = now
+            chunk = [v.token] if v.has_token else []
+            self.committed += chunk
+            if v.finished:
+                self.final = reason_name(v.reason)
+            yield chunk
+            if v.finished:
+                return
+
+    async def close(self) -> None:
+        if self.call is not None and not self.call.done():
+            self.call.cancel()

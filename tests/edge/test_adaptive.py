@@ -1,0 +1,66 @@
+"""Adaptive draft length picks the k that maximises expected tokens per second of a round."""
+
+import numpy as np
+
+from specsplit.edge.adaptive import DraftLength
+
+
+def _trained(alpha: float, draft_ms: float, verify_ms: float, fixed_ms: float, k_max=8, n=400):
+    chooser = DraftLength(k_max)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        k = 1 + i % k_max  # every block size seen, as a session would over time
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        chooser.observe(k, accepted, verify_ms + 0.1 * k, verify_ms + fixed_ms, draft_ms * k)
+    return chooser
+
+
+def test_before_any_timing_drafts_the_cap():
+    assert DraftLength(8).choose(cap=8) == 8
+    assert DraftLength(8).choose(cap=3) == 3
+
+
+def test_expected_tokens_follow_per_position_acceptance():
+    chooser = DraftLength(3)
+    for _ in range(1000):
+        chooser.observe(3, 3, 10.0)  # everything accepted
+    e = chooser.expected_tokens()
+    assert e[0] == 1.0 and np.all(np.diff(e) > 0.99)
+
+
+def test_expensive_verify_and_good_draft_draft_long():
+    # CPU target: a pass costs far more than drafting; acceptance 0.8
+    assert _trained(0.8, draft_ms=25, verify_ms=290, fixed_ms=2).choose(cap=8) >= 6
+
+
+def test_poor_acceptance_and_cheap_verify_draft_short():
+    # GPU target, slow draft, poor acceptance: long blocks only waste draft time
+    assert _trained(0.2, draft_ms=25, verify_ms=20, fixed_ms=2).choose(cap=8) <= 1
+
+
+def test_long_round_trip_favours_longer_blocks():
+    short = _trained(0.6, draft_ms=10, verify_ms=20, fixed_ms=0).choose(cap=8)
+    long = _trained(0.6, draft_ms=10, verify_ms=20, fixed_ms=500).choose(cap=8)
+    assert long > short
+
+
+def test_the_cloud_hint_caps_k():
+    assert _trained(0.9, draft_ms=5, verify_ms=290, fixed_ms=2).choose(cap=2) <= 2
+
+
+def test_cloud_led_reach_covers_the_lag_plus_useful_positions():
+    from specsplit.edge.cloud_led import _Reach
+
+    reach = _Reach(k_max=4, limit=16)
+    assert reach.want(hint=4) == 4  # before anything is measured: k_max
+    for _ in range(50):
+        reach.observe(offset=3, verified=4, accepted=4)  # the cloud is 3 ahead; all accepted
+    assert reach.want(hint=4) == 3 + 2 * 4
+    assert reach.want(hint=2) == 3 + 2 * 2  # the cloud's hint caps what is verified per step
+    assert _Reach(k_max=8, limit=16).want(hint=8) == 8
+    poor = _Reach(k_max=8, limit=16)
+    for _ in range(50):
+        poor.observe(offset=0, verified=4, accepted=0)  # nothing ever accepted
+    assert poor.want(hint=8) == 2

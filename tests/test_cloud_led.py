@@ -1,0 +1,99 @@
+"""Cloud-led sessions on real parts (tritonserver + gateway + ONNX Runtime): lossless whatever
+the timing, including a link slow enough to make most drafts stale on arrival.
+
+Greedy: the output equals transformers' greedy output of the target. Sampled: every verification
+mode completes with the requested length (its exactness is the chi-square test in
+tests/shared/test_distribution.py, which runs the gateway's own draft pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.proxy import DelayProxy
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.tiny import reference_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 100, 200, 13, 9, 250]]
+N_NEW = 24
+
+
+async def _generate(port: int, rtt_ms: float, drafter, prompt, **cfg):
+    # follow_hint=False: the tiny target's cost model asks for k = 0 (its pass cost is all
+    # lm_head rows); these tests are about verifying drafts
+    config = GenerationConfig(
+        max_new_tokens=N_NEW, session_mode="cloud-led", follow_hint=False, **cfg
+    )
+    async with DelayProxy(port, rtt_ms) as proxy:
+        client = SplitClient(f"127.0.0.1:{proxy.port}", drafter)
+        async with client:
+            gen = client.generate(prompt, config)
+            await gen.collect()
+            return gen
+
+
+@pytest.fixture(scope="module")
+def target_greedy(tiny):
+    return {tuple(p): reference_greedy(tiny.target, p, N_NEW) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("rtt_ms", [0, 150])
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft, rtt_ms):
+    drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
+    port = int(cloud.address.rsplit(":", 1)[1])
+    for prompt in PROMPTS:
+        gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, draft_tokens=4))
+        s = gen.stats
+        assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
+        assert s.finish == "LENGTH"
+        # one verdict per target step, each emitting its accepted drafts plus one token
+        assert s.target_forward_passes == s.rounds
+        assert s.new_tokens == s.accepted + s.rounds
+        if draft == "same":  # whatever drafts the cloud verified, it accepted them all
+            assert s.accepted == s.drafted
+        else:
+            assert s.acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
+def test_sampled_cloud_led_completes(cloud, tiny, verification):
+    drafter = OnnxDrafter(tiny.target_onnx)
+    port = int(cloud.address.rsplit(":", 1)[1])
+    cfg = dict(sampling=SamplingConfig(temperature=0.9), verification=verification, seed=3)
+    for rtt_ms in (0, 150):
+        gen = asyncio.run(_generate(port, rtt_ms, drafter, PROMPTS[0], **cfg))
+        assert len(gen.token_ids) == N_NEW and gen.stats.finish == "LENGTH"
+        assert gen.stats.new_tokens == gen.stats.accepted + gen.stats.rounds
+
+
+def test_cloud_only_and_cloud_led_together_are_refused(cloud):
+    from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+
+    async def call():
+        import grpc
+
+        async with grpc.aio.insecure_channel(cloud.address) as channel:
+            stub = pb_grpc.SpeculativeDecodingStub(channel)
+            start = pb.Start(
+                protocol_version=PROTOCOL_VERSION,
+                prompt_ids=[1, 2],
+                sampling=pb.SamplingParams(max_new_tokens=4),
+                cloud_only=True,
+                cloud_led=True,
+            )
+            call = stub.Generate(iter([pb.ClientMessage(start=start)]))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            return e.value
+
+    error = asyncio.run(call())
+    assert error.code().name == "INVALID_ARGUMENT" and "exclude" in error.details()
