@@ -31,6 +31,7 @@ from specsplit.cloud.limits import (
     decode_client_message,
     next_message,
     sampling_config,
+    until_half_close,
 )
 from specsplit.cloud.metrics import GatewayMetrics
 from specsplit.cloud.replicas import ReplicaSet, parse_urls
@@ -148,6 +149,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             self.active -= 1
             ticket.leave()
             self._release(triton, ticket)
+        await until_half_close(request_iterator, self.limits.half_close_grace_s)
 
     async def _generate(self, requests, triton: Lease, ticket: Ticket):
         it = requests.__aiter__()

@@ -33,6 +33,7 @@ class Limits:
     max_connection_idle_s: float = 300.0  # a connection without streams is closed after this
     max_connection_age_s: float = 3600.0  # then GOAWAY, so clients rebalance across replicas
     max_connection_age_grace_s: float = 600.0  # streams in flight get this long to finish
+    half_close_grace_s: float = 2.0  # after Finished, for the client's half-close (see below)
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -99,6 +100,21 @@ async def before_refusing(requests, wait_s: float = 1.0) -> None:
         # A timeout or a broken stream: refuse all the same.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(anext(requests.__aiter__(), None), wait_s)
+
+
+async def until_half_close(requests, grace_s: float) -> None:
+    """Reads (and drops) the client's messages until it half-closes, at most ``grace_s``.
+
+    A cloud-led edge drafts while the cloud streams, so a Draft can be on its way when the
+    final Verdict leaves. Ending the call under it would fail that write on the client, and
+    grpc.aio then marks the whole call INTERNAL: the Verdict and Finished it had not read yet
+    are lost. Waiting for the half-close (the edge sends it on reading Finished) keeps the call
+    open for those late Drafts. The session's slot and KV cache are already freed by then.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(grace_s):
+            while await anext(requests, None) is not None:
+                pass
 
 
 def sampling_config(params: pb.SamplingParams, vocab_size: int) -> SamplingConfig:

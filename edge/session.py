@@ -60,6 +60,7 @@ class Session:
         self.call = None
         self.metadata = None  # the call's metadata (the bearer token)
         self.final = ""  # the finish reason, once the final verdict came
+        self.write_broke = False  # a write failed: grpc.aio then fails every read as INTERNAL
 
     async def send(self, msg: pb.ClientMessage) -> None:
         self.stats.bytes_up += msg.ByteSize()
@@ -70,12 +71,20 @@ class Session:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.INTERNAL:
                 raise
+            self.write_broke = True
             # grpc core could not send: the connection broke (a server's own INTERNAL status
             # would have ended the call before the write). Retryable, like any lost link.
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
 
     async def recv(self, kind: str):
-        msg = await self.call.read()
+        try:
+            msg = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            if not (self.write_broke and e.code() == grpc.StatusCode.INTERNAL):
+                raise
+            # The failed write's status, not the server's: what was in flight is lost, so the
+            # stream counts as broken and the generation re-opens from what it committed.
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
         if msg is grpc.aio.EOF:
             raise SpecsplitError(None, f"stream closed while waiting for {kind}")
         self.stats.bytes_down += msg.ByteSize()

@@ -97,3 +97,36 @@ def test_cloud_only_and_cloud_led_together_are_refused(cloud):
 
     error = asyncio.run(call())
     assert error.code().name == "INVALID_ARGUMENT" and "exclude" in error.details()
+
+
+def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud):
+    """A cloud-led edge may still be writing a Draft when Finished leaves the cloud. The call
+    must stay open for it: a write on an ended call makes grpc.aio fail the whole call as
+    INTERNAL, losing the final Verdict and Finished the client had not read yet."""
+    import grpc
+
+    from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+
+    async def call():
+        async with grpc.aio.insecure_channel(cloud.address) as channel:
+            call = pb_grpc.SpeculativeDecodingStub(channel).Generate()
+            start = pb.Start(
+                protocol_version=PROTOCOL_VERSION,
+                prompt_ids=[1, 2, 3],
+                sampling=pb.SamplingParams(max_new_tokens=3),
+                cloud_led=True,
+            )
+            await call.write(pb.ClientMessage(start=start))
+            kinds = []
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                kinds.append(msg.WhichOneof("msg"))
+                if kinds[-1] == "finished":
+                    break
+            # the late Draft: after the last token, from the prompt's end
+            await call.write(pb.ClientMessage(draft=pb.Draft(round=1, base_len=3, tokens=[5])))
+            await call.done_writing()
+            return kinds, await call.code()
+
+    kinds, code = asyncio.run(call())
+    assert kinds[0] == "started" and kinds[-1] == "finished", kinds
+    assert code == grpc.StatusCode.OK

@@ -130,3 +130,40 @@ def test_unavailable_is_retried_until_the_window_ends():
     error, stats = asyncio.run(run())
     assert error.code == grpc.StatusCode.UNAVAILABLE
     assert servicer.calls == stats.retries + 1 >= 3  # 0.25 + 0.5 s fit in 1 s; 1 s more does not
+
+
+class _BrokenCall:
+    """A call whose write failed in grpc core: grpc.aio then fails its reads as INTERNAL too."""
+
+    async def write(self, msg):
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "from Core"
+        )
+
+    async def read(self):
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "from Core"
+        )
+
+
+def test_reads_after_a_failed_write_count_as_a_broken_stream():
+    from specsplit.edge.generation import GenerationStats
+    from specsplit.edge.session import Session
+
+    session = Session(None, None, GenerationConfig(), GenerationStats("split"), [1], 4, 0)
+    session.call = _BrokenCall()
+
+    async def go():
+        with pytest.raises(grpc.aio.AioRpcError) as read_first:  # the server's own INTERNAL
+            await session.recv("verdict")
+        with pytest.raises(grpc.aio.AioRpcError) as write:
+            await session.send(pb.ClientMessage(draft=pb.Draft(round=1, base_len=1, tokens=[2])))
+        with pytest.raises(grpc.aio.AioRpcError) as read_after:
+            await session.recv("verdict")
+        return read_first.value, write.value, read_after.value
+
+    read_first, write, read_after = asyncio.run(go())
+    assert read_first.code() == grpc.StatusCode.INTERNAL
+    # retryable: the generation re-opens from what it committed
+    assert write.code() == grpc.StatusCode.UNAVAILABLE
+    assert read_after.code() == grpc.StatusCode.UNAVAILABLE
