@@ -132,6 +132,7 @@ def record(cfg: Config, prompt: dict, gen) -> dict:
         "queue_ms": s.queue_ms,
         "token_times_s": s.token_times_s,
         "k_chosen": s.k_chosen,
+        "block_hint": s.block_hint,
     }
 
 

@@ -162,6 +162,7 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
                 remaining -= len(chunk)
                 if v.HasField("max_draft_tokens_hint") and cfg.follow_hint:
                     hint = v.max_draft_tokens_hint
+                    stats.block_hint.append(hint)
                 paused = _pause(stats, paused)
                 yield chunk
                 if v.finished:
