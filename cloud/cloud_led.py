@@ -32,13 +32,17 @@ from specsplit.shared.sampling import SparseDist
 POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two Drafts with equal fields are two Drafts
 class PendingDraft:
     round: int
     base_len: int
     tokens: list[int]
     q: list[SparseDist] | None
     used: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.base_len + len(self.tokens)
 
     def offset(self, committed: list[int]) -> int | None:
         """How many of its tokens are already committed, None when it is inconsistent."""
@@ -53,8 +57,24 @@ class DraftPool:
         self.drafts: deque[PendingDraft] = deque()
         self.dropped = 0  # removed without ever being verified
         self.used = 0
+        self.last: PendingDraft | None = None  # the Draft the previous message went into
 
-    def add(self, draft: PendingDraft) -> None:
+    def add(self, draft: PendingDraft, continues: bool = False, committed_len: int = 0) -> None:
+        """A new Draft; a continuation (Draft.continues) extends the previous Draft instead,
+        while that one is still held and ends where the continuation starts."""
+        if continues:
+            parent = self.last
+            if parent is not None and parent.end == draft.base_len and parent in self.drafts:
+                parent.tokens += draft.tokens
+                if parent.q is not None and draft.q is not None:
+                    parent.q += draft.q
+                parent.round = draft.round
+                return
+            if draft.base_len > committed_len:  # its start is unknown here: nothing to verify
+                self.dropped += 1
+                self.last = None
+                return
+        self.last = draft
         self.drafts.append(draft)
         if len(self.drafts) > POOL:
             self._drop(self.drafts.popleft())
@@ -99,9 +119,12 @@ async def cloud_led_rounds(service, session: Session, triton, it):
                 d = msg.draft
                 if session.finish is not Finish.NONE:
                     continue  # sent before the client heard the final verdict: not an error
-                session.check_draft(d.base_len, d.tokens, len(d.q), exact_base=False)
+                session.check_draft(
+                    d.base_len, d.tokens, len(d.q), exact_base=False, continues=d.continues
+                )
                 q = service._parse_q(d) if session.mode is Mode.REJECTION else None
-                pool.add(PendingDraft(d.round, d.base_len, list(d.tokens), q))
+                draft = PendingDraft(d.round, d.base_len, list(d.tokens), q)
+                pool.add(draft, d.continues, session.committed_len)
             else:
                 return  # a half-close: the client only listens from now on
         except ProtocolError as e:
@@ -119,8 +142,9 @@ async def cloud_led_rounds(service, session: Session, triton, it):
                 break
             t0 = time.perf_counter()
             draft, tokens, q = pool.take(session.committed, limit)
+            round_no = draft.round if draft is not None else 0  # a continuation may come in
             verdict = await service._round(session, triton, tokens, q or None, t0)
-            verdict.round = draft.round if draft is not None else 0
+            verdict.round = round_no
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
             yield verdict  # its hint caps the edge's speculation; the edge obeys it there

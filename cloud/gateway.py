@@ -258,7 +258,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 raise ProtocolError(Code.FAILED_PRECONDITION, f"unexpected {kind} after Start")
             t0 = time.perf_counter()
             draft = msg.draft
-            session.check_draft(draft.base_len, draft.tokens, len(draft.q))
+            session.check_draft(
+                draft.base_len, draft.tokens, len(draft.q), continues=draft.continues
+            )
             q = self._parse_q(draft) if session.mode is Mode.REJECTION else None
             verdict = await self._round(session, triton, list(draft.tokens), q, t0)
             verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)

@@ -98,18 +98,36 @@ class Session:
         return len(self.committed) - len(self.prompt)
 
     def check_draft(
-        self, base_len: int, tokens: Sequence[int], n_q: int, exact_base: bool = True
+        self,
+        base_len: int,
+        tokens: Sequence[int],
+        n_q: int,
+        exact_base: bool = True,
+        continues: bool = False,
     ) -> None:
         """Validates a Draft against the session; raises ProtocolError. ``exact_base`` False
-        (cloud-led): any base_len up to committed_len (an older Draft is stale, not wrong)."""
+        (cloud-led): any base_len up to committed_len (an older Draft is stale, not wrong), and
+        past it for a continuation of the previous Draft (``continues``), within the block
+        limit of committed_len."""
         if self.finish is not Finish.NONE:
             raise ProtocolError(Code.FAILED_PRECONDITION, "generation already finished")
+        if continues and exact_base:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT, "Draft.continues is only valid in a cloud_led session"
+            )
+        reach = self.committed_len + self.limits.max_draft_tokens
+        if continues and base_len + len(tokens) > reach:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT,
+                f"continued draft reaches position {base_len + len(tokens)}, past committed_len "
+                f"{self.committed_len} + max_draft_tokens {self.limits.max_draft_tokens}",
+            )
         if exact_base and base_len != self.committed_len:
             raise ProtocolError(
                 Code.FAILED_PRECONDITION,
                 f"base_len {base_len} != committed_len {self.committed_len}",
             )
-        if base_len > self.committed_len:
+        if base_len > self.committed_len and not continues:
             raise ProtocolError(
                 Code.FAILED_PRECONDITION,
                 f"base_len {base_len} > committed_len {self.committed_len}",

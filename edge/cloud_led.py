@@ -2,8 +2,10 @@
 
 The cloud streams one Verdict per target step whether or not Drafts arrive. Here the edge keeps
 a speculation: its own draft tokens after the committed prefix, extended one token at a time in
-a worker thread. Every few new tokens it sends the whole speculation as a Draft from its latest
-known committed_len; the cloud verifies the part it has not committed yet. A Verdict that agrees
+a worker thread. Every few new tokens it sends what the cloud has not seen of the speculation:
+the whole of it from its latest known committed_len after a restart, else only the new tokens as
+a continuation (Draft.continues) of the Draft before; the cloud verifies the part it has not
+committed yet. A Verdict that agrees
 with the speculation consumes its head; one that does not restarts it from the committed prefix.
 
 Draft randomness is keyed by (seed, position), so a token drafted twice after the same prefix is
@@ -41,13 +43,14 @@ class _Speculation:
         self.tokens: list[int] = []
         self.q: list = []
         self.unsent = 0
+        self.sent_to: int | None = None  # where the last Draft of this speculation ended
 
     def consume(self, chunk: list[int]) -> None:
         if self.tokens[: len(chunk)] == chunk:
             self.tokens, self.q = self.tokens[len(chunk) :], self.q[len(chunk) :]
             self.unsent = min(self.unsent, len(self.tokens))
         else:  # the cloud went elsewhere: everything drafted after the fork is useless
-            self.tokens, self.q, self.unsent = [], [], 0
+            self.tokens, self.q, self.unsent, self.sent_to = [], [], 0, None
 
 
 def _draft_one(s: Session, seq: list[int], stop: threading.Event):
@@ -177,10 +180,18 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
 
 
 async def _send_draft(s: Session, started, spec: _Speculation, round_no: int, rejection) -> None:
-    draft = pb.Draft(round=round_no, base_len=len(s.committed), tokens=spec.tokens)
+    """Sends the speculation's new tokens as a continuation of its last Draft while some of
+    that one is still uncommitted, else all of it from committed_len."""
+    committed = len(s.committed)
+    continues = spec.sent_to is not None and spec.sent_to > committed
+    base = spec.sent_to if continues else committed
+    draft = pb.Draft(
+        round=round_no, base_len=base, tokens=spec.tokens[base - committed :], continues=continues
+    )
     if rejection:
-        draft.q.extend(sparse_to_pb(q, started.q_counts) for q in spec.q)
+        draft.q.extend(sparse_to_pb(q, started.q_counts) for q in spec.q[base - committed :])
     spec.unsent = 0
+    spec.sent_to = committed + len(spec.tokens)
     await s.send(pb.ClientMessage(draft=draft))
 
 

@@ -1,6 +1,7 @@
 """Cloud-led verification is lossless: the gateway's own draft pool, fed drafts of random
 staleness, with edge randomness keyed by position as edge/cloud_led.py keys it, emits tokens that
-follow the target distribution (same tables and chi-square check as
+follow the target distribution, half of the two-token Drafts arriving as a Draft and its
+continuation (Draft.continues) (same tables and chi-square check as
 tests/shared/test_distribution.py, whose docstring states the statistics)."""
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ def generate_two(p_tab, q_tab, rule, rng, sent_q=lambda q: q) -> tuple[int, int]
         new = _drafts_since_last_step(out, q_tab, u, rng, rounds + 1, sent_q)
         rounds += len(new)
         for d in new:
-            pool.add(d)
+            if len(d.tokens) == 2 and rng.random() < 0.5:  # sent as a Draft + a continuation
+                pool.add(PendingDraft(d.round, d.base_len, d.tokens[:1], d.q[:1]))
+                cont = PendingDraft(d.round, d.base_len + 1, d.tokens[1:], d.q[1:])
+                pool.add(cont, continues=True, committed_len=len(out))
+            else:
+                pool.add(d)
         d, drafts, qs = pool.take(out, K)
         step_rng = np.random.default_rng([gen, len(out)])  # round_rng(seed, "verify", c)
         p = np.stack([p_tab[tuple(out + drafts[:i])] for i in range(len(drafts) + 1)])

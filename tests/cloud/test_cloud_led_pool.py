@@ -44,3 +44,33 @@ def test_no_draft_means_a_plain_target_step():
 def test_the_pool_holds_a_bounded_number_of_drafts():
     pool = _pool(*[(5, [i]) for i in range(20)])
     assert len(pool.drafts) == 8 and pool.dropped == 12
+
+
+def test_a_continuation_extends_the_previous_draft():
+    pool = _pool((5, [6, 7]))
+    pool.add(PendingDraft(2, 7, [8, 9], None), continues=True, committed_len=5)
+    assert len(pool.drafts) == 1
+    draft, tokens, _ = pool.take(COMMITTED, limit=8)
+    assert draft.round == 2 and tokens == [6, 7, 8, 9]
+    # it may start before committed_len: the cloud verified part of the parent meanwhile
+    pool.add(PendingDraft(3, 9, [10], None), continues=True, committed_len=8)
+    _, tokens, _ = pool.take([*COMMITTED, 6, 7, 8], limit=8)
+    assert tokens == [9, 10]
+
+
+def test_a_continuation_of_a_draft_that_is_gone_stands_alone_or_is_dropped():
+    pool = _pool((3, [4, 9]))  # inconsistent with COMMITTED: dropped by the next take
+    assert pool.take(COMMITTED, limit=8)[0] is None and pool.dropped == 1
+    # starts past committed_len: what comes before it is unknown here
+    pool.add(PendingDraft(2, 6, [1], None), continues=True, committed_len=5)
+    assert not pool.drafts and pool.dropped == 2
+    # starts within the committed prefix: checked against it like any Draft
+    pool.add(PendingDraft(3, 4, [5, 6], None), continues=True, committed_len=5)
+    draft, tokens, _ = pool.take(COMMITTED, limit=8)
+    assert draft.round == 3 and tokens == [6]
+
+
+def test_a_continuation_must_start_where_the_previous_draft_ended():
+    pool = _pool((5, [6, 7]))
+    pool.add(PendingDraft(2, 8, [9], None), continues=True, committed_len=5)  # a gap at 7
+    assert [d.round for d in pool.drafts] == [1] and pool.dropped == 1

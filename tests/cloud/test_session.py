@@ -68,3 +68,17 @@ def test_no_draft_after_finish():
     with pytest.raises(ProtocolError, match="finished") as e:
         s.check_draft(4, [1], 0)
     assert e.value.code is Code.FAILED_PRECONDITION
+
+
+def test_continued_drafts_are_checked_against_the_block_limit():
+    s = session()  # committed_len 3, max_draft_tokens 4
+    s.check_draft(5, [1, 2], 0, exact_base=False, continues=True)  # reaches 7 = 3 + 4
+    with pytest.raises(ProtocolError, match="past committed_len") as e:
+        s.check_draft(5, [1, 2, 3], 0, exact_base=False, continues=True)
+    assert e.value.code is Code.INVALID_ARGUMENT
+    with pytest.raises(ProtocolError, match="base_len 5 > committed_len") as e:
+        s.check_draft(5, [1], 0, exact_base=False)  # past committed_len, not a continuation
+    assert e.value.code is Code.FAILED_PRECONDITION
+    with pytest.raises(ProtocolError, match="only valid in a cloud_led") as e:
+        s.check_draft(3, [1], 0, continues=True)  # lock-step
+    assert e.value.code is Code.INVALID_ARGUMENT
