@@ -28,6 +28,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _STARTING = threading.Lock()
+_POLL_CHANNEL_ARGS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+_POLL_TIMEOUT_S = 5.0
 
 MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
 MODEL_NAME = "target"
@@ -221,7 +227,10 @@ class TritonServer:
         import tritonclient.grpc as grpcclient
 
         deadline = time.monotonic() + self.startup_timeout_s
-        client = grpcclient.InferenceServerClient(self.url)
+        # Polled every 0.2 s while the port is still closed: with grpc's default reconnect
+        # backoff (growing to two minutes) a server that became ready during a slow start was
+        # seen only minutes later; a poll must never hang either.
+        client = grpcclient.InferenceServerClient(self.url, channel_args=_POLL_CHANNEL_ARGS)
         try:
             while time.monotonic() < deadline:
                 proc = self.proc
@@ -232,7 +241,7 @@ class TritonServer:
                         f"tritonserver exited with {proc.returncode}:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(Exception):
-                    if client.is_model_ready(MODEL_NAME):
+                    if client.is_model_ready(MODEL_NAME, client_timeout=_POLL_TIMEOUT_S):
                         log.info("tritonserver ready on %s", self.url)
                         return
                 time.sleep(0.2)
