@@ -7,7 +7,6 @@ given CPU cores.
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import subprocess
@@ -17,7 +16,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from specsplit.cloud.triton import stop_process_group
+from specsplit.cloud.triton import pinned, stop_process_group
 
 
 class CloudProcess:
@@ -46,12 +45,11 @@ class CloudProcess:
         self._stderr = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         cpus = self.cpus
         self.proc = subprocess.Popen(
-            [self.python, "-m", "specsplit.cloud.cli", *self.args],
+            pinned([self.python, "-m", "specsplit.cloud.cli", *self.args], cpus),
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
             start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         threading.Thread(target=self._pump, daemon=True).start()
         try:

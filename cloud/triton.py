@@ -114,6 +114,19 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float, signal_group: boo
     return proc.returncode
 
 
+def pinned(cmd: list[str], cpus) -> list[str]:
+    """``cmd`` run on ``cpus`` (all cores when None). A tiny exec wrapper, not Popen's
+    preexec_fn: that runs Python in the forked child, which can deadlock when the parent has
+    threads (a grpc server's, the supervisor's), and Popen then never returns."""
+    if not cpus:
+        return cmd
+    setup = (
+        f"import os, sys; os.sched_setaffinity(0, {sorted(cpus)}); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", setup, *cmd]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -209,12 +222,11 @@ class TritonServer:
                 raise TritonError("tritonserver was stopped")
             # New session: SIGINT from a terminal reaches us, and we stop Triton ourselves.
             self.proc = subprocess.Popen(
-                cmd,
+                pinned(cmd, cpus),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=bundled.environment(extra),
                 start_new_session=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         try:
             self._wait_ready()
