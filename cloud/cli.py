@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -128,6 +129,7 @@ async def serve(args: argparse.Namespace) -> int:
                     dtype=args.dtype,
                     startup_timeout_s=args.startup_timeout,
                     cpus=cpus,
+                    log_dir=args.triton_log_dir,
                 )
                 for cpus in _core_sets(args.replicas)
             ]
@@ -253,6 +255,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for Triton"
     )
+    s.add_argument(
+        "--triton-log-dir",
+        type=Path,
+        help="write each tritonserver's log here, kept after stop (default: a temporary dir)",
+    )
     s.add_argument("-v", "--verbose", action="store_true")
     p = sub.add_parser("pull", help="fetch and convert the target ahead of time (with progress)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
@@ -261,6 +268,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stuck server sits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

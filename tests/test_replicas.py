@@ -46,19 +46,34 @@ async def _generate_all(address, drafter_dir, prompts, on_tokens=None) -> list[l
     return await asyncio.gather(*(one(p, h) for p, h in zip(prompts, hooks, strict=True)))
 
 
-def _inferences_once_back(url: str, timeout_s: float = 180.0) -> int:
+def _inferences_once_back(cloud: CloudProcess, url: str, timeout_s: float = 180.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             return _inferences(url)
         except Exception:  # still restarting
             time.sleep(0.5)
-    raise AssertionError(f"replica {url} did not come back")
+    os.kill(cloud.proc.pid, signal.SIGUSR1)  # serve prints its threads' stacks: where it sits
+    time.sleep(1.0)
+    port = url.rsplit(":", 1)[1]
+    triton_log = cloud.log_path.with_name(f"tritonserver-{port}.log")
+    raise AssertionError(
+        f"replica {url} did not come back\n--- serve ---\n{cloud.log_path.read_text()[-6000:]}"
+        f"\n--- tritonserver ---\n{triton_log.read_text(errors='replace')[-4000:]}"
+    )
 
 
 def test_replicas_spread_fail_over_and_come_back(tiny, tmp_path):
     expected = [reference_greedy(tiny.target, p, N_NEW) for p in PROMPTS]
-    with CloudProcess("--target", str(tiny.target), "--replicas", "2", log_dir=tmp_path) as cloud:
+    with CloudProcess(
+        "--target",
+        str(tiny.target),
+        "--replicas",
+        "2",
+        "--triton-log-dir",
+        str(tmp_path),
+        log_dir=tmp_path,
+    ) as cloud:
         urls = cloud.triton_url.split(",")
         assert len(urls) == 2
         # 1. Four sessions at once are placed on both replicas.
@@ -74,7 +89,7 @@ def test_replicas_spread_fail_over_and_come_back(tiny, tmp_path):
         log = cloud.log_path.read_text()
         assert f"session moved from replica {urls[0]}" in log, log[-3000:]
         # 3. Restarted by serve, it is used again.
-        before = _inferences_once_back(urls[0])
+        before = _inferences_once_back(cloud, urls[0])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "is up" not in log.split("moved from")[-1]:
             time.sleep(0.5)
