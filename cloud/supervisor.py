@@ -56,6 +56,10 @@ class TritonSupervisor:
                 self._failures += 1
                 log.error("tritonserver restart failed: %s", e)
                 continue
+            except Exception:  # an OSError, say: the supervisor must outlive any one failure
+                self._failures += 1
+                log.exception("tritonserver restart failed")
+                continue
             self._failures += 1
             self.restarts += 1
             self._up_since = time.monotonic()

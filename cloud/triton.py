@@ -79,7 +79,7 @@ class BundledTriton:
             self.python_backend / "triton_python_backend_utils.py",
             self.stub,
         ):
-            shutil.copy2(src, backend / src.name)
+            _install(src, backend / src.name)
         return backend.parent
 
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -91,6 +91,14 @@ class BundledTriton:
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env.update(extra or {})
         return env
+
+
+def _install(src: Path, dst: Path) -> None:
+    """Copies ``src`` to ``dst`` through a rename. On a restart the crashed server's stub may
+    still be exiting from ``dst``, and writing over an executable that runs fails (ETXTBSY)."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float, signal_group: bool) -> int:
@@ -111,7 +119,36 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float, signal_group: boo
             proc.wait()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    _wait_group_gone(proc.pid, timeout_s=10.0)
     return proc.returncode
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Waits (bounded) until no process of group ``pgid`` is left: SIGKILL is delivered
+    asynchronously, and an orphan that is still exiting holds its files and memory."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.02)
+    log.warning("process group %d still has members %.0fs after SIGKILL", pgid, timeout_s)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which hold nothing, do not
+    count: where no init reaps orphans they would never go)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return not Path("/proc/self/stat").exists()  # no /proc: trust killpg
 
 
 def pinned(cmd: list[str], cpus) -> list[str]:
@@ -150,6 +187,7 @@ class TritonServer:
         model_repository: Path = MODEL_REPOSITORY,
         log_verbose: int = 0,
         cpus: set[int] | None = None,
+        log_dir: str | Path | None = None,
     ):
         self.target_dir = Path(target_dir).resolve()
         self.grpc_port = grpc_port or free_port()
@@ -164,7 +202,8 @@ class TritonServer:
         self.cpus = cpus  # pin the server (and its stub) to these cores
         self.proc: subprocess.Popen | None = None
         self._work = Path(tempfile.mkdtemp(prefix="specsplit-triton-"))
-        self.log_path = self._work / "tritonserver.log"
+        # Kept after stop() when log_dir is given (the work dir is removed).
+        self.log_path = Path(log_dir or self._work) / f"tritonserver-{self.grpc_port}.log"
         self._shm_prefix = f"specsplit{os.getpid()}x{self.grpc_port}_"
         # stop() may run while another thread (re)starts the server: after it, nothing starts.
         self._lock = threading.Lock()
@@ -217,6 +256,7 @@ class TritonServer:
         log.info("starting tritonserver on %s", self.url)
         # Appended: a restarted server's log follows the crashed one's.
         cpus = self.cpus
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock, open(self.log_path, "ab") as out:
             if self._closed:
                 raise TritonError("tritonserver was stopped")
