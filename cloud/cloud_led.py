@@ -148,9 +148,15 @@ async def cloud_led_rounds(service, session: Session, triton, it):
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
             yield verdict  # its hint caps the edge's speculation; the edge obeys it there
-    finally:
+    except BaseException:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await reader
+        raise
+    else:
+        # Never cancelled mid-read (that closes the request stream): it reads on, dropping
+        # late Drafts, until the client half-closes (cloud/limits.py until_half_close).
+        session.reader = reader
+    finally:
         session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)
         session.drafts_used = pool.used

@@ -123,8 +123,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
         self.active += 1
         triton = Lease(self.replicas, self.session_factory)
+        readers: list[asyncio.Task] = []  # a cloud-led session's, still reading the stream
         try:
-            async for msg in self._generate(request_iterator, triton, ticket):
+            async for msg in self._generate(request_iterator, triton, ticket, readers):
                 yield msg
         except Refused as e:  # the Start was received: the client reads this status
             await context.abort(
@@ -149,9 +150,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             self.active -= 1
             ticket.leave()
             self._release(triton, ticket)
-        await until_half_close(request_iterator, self.limits.half_close_grace_s)
+        await until_half_close(request_iterator, self.limits.half_close_grace_s, *readers)
 
-    async def _generate(self, requests, triton: Lease, ticket: Ticket):
+    async def _generate(self, requests, triton: Lease, ticket: Ticket, readers: list):
         it = requests.__aiter__()
         first = await next_message(it, self.limits.start_timeout_s, "Start")
         if first is None:
@@ -177,6 +178,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             rounds = self._speculative(session, triton, it)
         async for verdict in rounds:
             yield pb.ServerMessage(verdict=verdict)
+        readers += [session.reader] if session.reader else []
         finished = pb.Finished(
             committed_len=session.committed_len,
             reason=int(session.finish),

@@ -102,8 +102,9 @@ async def before_refusing(requests, wait_s: float = 1.0) -> None:
             await asyncio.wait_for(anext(requests.__aiter__(), None), wait_s)
 
 
-async def until_half_close(requests, grace_s: float) -> None:
-    """Reads (and drops) the client's messages until it half-closes, at most ``grace_s``.
+async def until_half_close(requests, grace_s: float, reader: asyncio.Task | None = None) -> None:
+    """Reads (and drops) the client's messages until it half-closes, at most ``grace_s``; or,
+    where a ``reader`` task already reads them (cloud-led), waits for it to end, then cancels it.
 
     A cloud-led edge drafts while the cloud streams, so a Draft can be on its way when the
     final Verdict leaves. Ending the call under it would fail that write on the client, and
@@ -111,10 +112,17 @@ async def until_half_close(requests, grace_s: float) -> None:
     are lost. Waiting for the half-close (the edge sends it on reading Finished) keeps the call
     open for those late Drafts. The session's slot and KV cache are already freed by then.
     """
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(grace_s):
-            while await anext(requests, None) is not None:
-                pass
+    try:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(grace_s):
+                if reader is not None:
+                    await reader  # cancelled with us at the timeout
+                else:
+                    while await anext(requests, None) is not None:
+                        pass
+    finally:
+        if reader is not None:
+            reader.cancel()
 
 
 def sampling_config(params: pb.SamplingParams, vocab_size: int) -> SamplingConfig:

@@ -99,10 +99,12 @@ def test_cloud_only_and_cloud_led_together_are_refused(cloud):
     assert error.code().name == "INVALID_ARGUMENT" and "exclude" in error.details()
 
 
-def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud):
+@pytest.mark.parametrize("pause_s", [0.0, 0.3])
+def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
     """A cloud-led edge may still be writing a Draft when Finished leaves the cloud. The call
-    must stay open for it: a write on an ended call makes grpc.aio fail the whole call as
-    INTERNAL, losing the final Verdict and Finished the client had not read yet."""
+    must stay open for it until the client half-closes: a write on an ended call makes grpc.aio
+    fail the whole call as INTERNAL, losing the final Verdict and Finished the client had not
+    read yet. (``pause_s``: the Draft is still on its way a while after Finished.)"""
     import grpc
 
     from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
@@ -120,8 +122,12 @@ def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud):
             kinds = []
             while (msg := await call.read()) is not grpc.aio.EOF:
                 kinds.append(msg.WhichOneof("msg"))
+                if kinds[-1] == "started":  # a Draft the cloud reads while it generates
+                    draft = pb.Draft(round=1, base_len=3, tokens=[5])
+                    await call.write(pb.ClientMessage(draft=draft))
                 if kinds[-1] == "finished":
                     break
+            await asyncio.sleep(pause_s)
             # the late Draft: after the last token, from the prompt's end
             await call.write(pb.ClientMessage(draft=pb.Draft(round=1, base_len=3, tokens=[5])))
             await call.done_writing()
