@@ -24,7 +24,7 @@ import grpc
 from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
-from specsplit.edge.retry import DEFAULT_WINDOW_S, Backoff
+from specsplit.edge.retry import DEFAULT_WINDOW_S, HANDSHAKE_HINT, Backoff, refused_at_handshake
 from specsplit.edge.session import Session as _Session
 from specsplit.edge.session import SpecsplitError  # noqa: F401 (re-export)
 from specsplit.shared.acceptance import Mode
@@ -117,6 +117,7 @@ class SplitClient:
             tls_files = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             self._channel = open_channel(address, tls=tls, **tls_files)
         self._stub = pb_grpc.SpeculativeDecodingStub(self._channel) if self._channel else None
+        self._reached = False  # a Started came back once: the link and its credentials work
 
     async def __aenter__(self) -> SplitClient:
         return self
@@ -188,10 +189,15 @@ class SplitClient:
                 if session.final:  # everything arrived; only the goodbye was lost
                     stats.finish = stats.finish or session.final
                     return
+                self._reached |= session.reached
+                if not self._reached and refused_at_handshake(e):
+                    # A configuration error, not an outage: retrying cannot help.
+                    raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
                 pause = backoff.next_pause() if e.code() == grpc.StatusCode.UNAVAILABLE else None
                 if pause is None:
                     raise SpecsplitError(e.code(), e.details()) from None
                 stats.retries += 1
                 await asyncio.sleep(pause)
             finally:
+                self._reached |= session.reached
                 await session.close()

@@ -7,7 +7,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 DEFAULT_WINDOW_S = 60.0
+HANDSHAKE_HINT = (
+    "the server ended the connection during its handshake: a TLS mismatch? A TLS gateway "
+    "needs --tls-ca (or tls=True), one with client certificates also --tls-cert and --tls-key; "
+    "not retried"
+)
+
+
+def refused_at_handshake(e: grpc.aio.AioRpcError) -> bool:
+    """A connection that failed while being set up, at its TLS handshake (a certificate that
+    does not verify) or closed by the server right away (plaintext to a TLS gateway, or no client
+    certificate for an mTLS one), as opposed to nobody listening (a gateway restarting)."""
+    details = e.details() or ""
+    return (
+        e.code() == grpc.StatusCode.UNAVAILABLE
+        and details.startswith("failed to connect to all addresses")
+        and any(s in details for s in ("Socket closed", "andshake", "SSL_ERROR"))
+    )
 
 
 @dataclass

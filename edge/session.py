@@ -60,6 +60,7 @@ class Session:
         self.call = None
         self.metadata = None  # the call's metadata (the bearer token)
         self.final = ""  # the finish reason, once the final verdict came
+        self.reached = False  # its Started arrived
         self.write_broke = False  # a write failed: grpc.aio then fails every read as INTERNAL
 
     async def send(self, msg: pb.ClientMessage) -> None:
@@ -114,6 +115,7 @@ class Session:
         early = not (cloud_only or led_asked) and (self.seed is not None or cfg.sampling.greedy)
         first = self.draft(min(cfg.draft_tokens, self.max_new_tokens - 1)) if early else None
         started = await self.recv("started")
+        self.reached = True
         self.seed = self.stats.seed = started.seed
         cloud_led = led_asked and started.cloud_led  # an older server runs lock-step
         lockstep = not (cloud_only or cloud_led)

@@ -76,8 +76,13 @@ def test_tls_with_token_generates(secured, certs, plain_output):
     assert cloud_only(secured.address, tls_ca=certs.ca, token=TOKEN) == plain_output
 
 
-def test_plaintext_client_is_refused(secured):
-    assert refused(secured.address, token=TOKEN).code == grpc.StatusCode.UNAVAILABLE
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_client_with_the_wrong_tls_settings_is_refused_at_once(secured, tls):
+    """Plaintext to a TLS gateway, or TLS without our CA: a configuration error, reported
+    with a hint, not retried for the whole retry window as an outage would be."""
+    e = refused(secured.address, token=TOKEN, tls=tls)
+    assert e.code == grpc.StatusCode.UNAVAILABLE
+    assert "TLS mismatch" in str(e) and "not retried" in str(e), e
 
 
 @pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", ""])
@@ -96,7 +101,8 @@ def test_health_needs_no_token(secured, certs):
 
 
 def test_mtls_refuses_a_client_without_certificate(mutual, certs, plain_output):
-    assert refused(mutual.address, tls_ca=certs.ca).code == grpc.StatusCode.UNAVAILABLE
+    e = refused(mutual.address, tls_ca=certs.ca)
+    assert e.code == grpc.StatusCode.UNAVAILABLE and "--tls-cert" in str(e), e
     mtls = dict(tls_ca=certs.ca, tls_cert=certs.client_cert, tls_key=certs.client_key)
     assert cloud_only(mutual.address, **mtls) == plain_output
 

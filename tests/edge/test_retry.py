@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
-from specsplit.edge.retry import Backoff
+from specsplit.edge.retry import Backoff, refused_at_handshake
 from specsplit.shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb
 from tests.fakes import MODEL, SlowDrafter
 
@@ -24,6 +24,35 @@ def test_backoff_doubles_up_to_its_cap_and_ends_with_the_window(monkeypatch):
     assert pauses == [1.0, 2.0, 4.0]  # a fourth (4 s) would end at 11 s, past the window
     backoff.progress()  # tokens arrived: the next outage gets a whole window
     assert backoff.next_pause() == 1.0
+
+
+@pytest.mark.parametrize(
+    "details, fatal",
+    [
+        (
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:1.2.3.4:8: "
+            "Socket closed",
+            True,
+        ),
+        (
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:1.2.3.4:8: "
+            "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED",
+            True,
+        ),
+        (
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:1.2.3.4:8: Failed to "
+            "connect to remote host: Connection refused",
+            False,
+        ),
+        ("Socket closed", False),  # a call that broke after connecting: an outage
+        ("inference server unavailable", False),
+    ],
+)
+def test_a_refused_handshake_is_told_from_an_outage(details, fatal):
+    e = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+    assert refused_at_handshake(e) is fatal
 
 
 def test_negative_window_is_refused():
