@@ -366,10 +366,11 @@ async def start_gateway(
     limits, security = limits or Limits(), security or Security()
     urls = parse_urls(triton_url) if isinstance(triton_url, str) else list(triton_url)
     replicas = ReplicaSet(urls, failover_wait_s=failover_wait_s)
-    server = grpc.aio.server(interceptors=security.interceptors(), options=limits.server_options())
     service = SpeculativeService(
         replicas, model, limits, session_factory, admission, security.tokens is not None
     )
+    interceptors = security.interceptors(on_refused=service.metrics.refused)
+    server = grpc.aio.server(interceptors=interceptors, options=limits.server_options())
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -224,6 +224,12 @@ class GatewayMetrics:
             self.batch_rows.observe(t.batch_rows)
             self.batch_sessions.observe(t.batch_sessions)
 
+    def refused(self, method: str) -> None:
+        """A call refused before any handler ran (a missing or wrong bearer token)."""
+        if method.endswith("/Generate"):
+            self.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc()
+            self.sessions.labels("none", "unauthenticated").inc()
+
     def observe_end(self, stream: _Stream, code: grpc.StatusCode | str | None) -> None:
         if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
             outcome = code.name.lower()

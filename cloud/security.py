@@ -46,8 +46,9 @@ class Security:
             require_client_auth=ca is not None,
         )
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [] if self.tokens is None else [TokenAuth(self.tokens)]
+    def interceptors(self, on_refused=None) -> list[grpc.aio.ServerInterceptor]:
+        """``on_refused(method)`` is called for each call refused for its token (metrics)."""
+        return [] if self.tokens is None else [TokenAuth(self.tokens, on_refused)]
 
 
 def load_tokens(path: str | Path) -> tuple[bytes, ...]:
@@ -69,8 +70,9 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | 
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, tokens: Sequence[bytes]):
+    def __init__(self, tokens: Sequence[bytes], on_refused=None):
         self.tokens = tuple(tokens)
+        self.on_refused = on_refused
 
     def authorized(self, metadata) -> bool:
         token = bearer_token(metadata)
@@ -87,6 +89,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return handler
         if self.authorized(details.invocation_metadata):
             return handler
+        if self.on_refused is not None:
+            self.on_refused(details.method)
         return _refusal(handler)
 
 

@@ -128,6 +128,40 @@ def test_errors_are_counted_by_status_code():
     assert value(m, "specsplit_sessions_total", mode="split", outcome="failed_precondition") == 2
 
 
+def test_calls_refused_for_their_token_are_counted():
+    from specsplit.cloud.security import Security
+
+    async def main():
+        security = Security(tokens=(b"good",))
+        server, port, service = await start_gateway(
+            NOWHERE, MODEL, session_factory=FakeTriton, security=security
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.SpeculativeDecodingStub(channel)
+                codes = []
+                for token in (None, "bad", "good"):
+                    meta = (("authorization", f"Bearer {token}"),) if token else None
+                    call = stub.Generate(iter([start(2)]), metadata=meta, timeout=20)
+                    try:
+                        async for _ in call:
+                            pass
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+            return codes, samples(service.metrics.registry)
+        finally:
+            await server.stop(grace=None)
+            await service.close()
+
+    codes, m = asyncio.run(main())
+    refused = grpc.StatusCode.UNAUTHENTICATED
+    assert codes == [refused, refused, grpc.StatusCode.OK]
+    assert value(m, "specsplit_errors_total", code="UNAUTHENTICATED") == 2
+    assert value(m, "specsplit_sessions_total", mode="none", outcome="unauthenticated") == 2
+    assert value(m, "specsplit_sessions_total", mode="split", outcome="client_closed") == 1
+
+
 def test_a_client_that_cancels_is_counted_and_its_stream_closed():
     async def main():
         async with gateways(1) as [(address, service)]:
