@@ -140,6 +140,7 @@ def _serve(args) -> int:
         ),
         threads=args.threads,
         client=dict(token=args.token, **tls),
+        api_key=args.api_key or None,
     )
     return run_server(cfg, args.host, args.port, verbose=args.verbose)
 
@@ -211,6 +212,11 @@ def _add_serve_parser(sub) -> None:
         f"(default {DEFAULT_WINDOW_S:.0f})",
     )
     s.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per drafter")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECSPLIT_API_KEY"),
+        help="require this key as the OpenAI API key on /v1 (default $SPECSPLIT_API_KEY)",
+    )
     s.add_argument("-v", "--verbose", action="store_true")
 
 

@@ -13,6 +13,7 @@ an error after that arrives as an ``error`` event, as OpenAI sends it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -64,6 +65,7 @@ class ServeConfig:
     generation: GenerationConfig = GenerationConfig()  # k, retry window, target model name
     threads: int | None = None  # ONNX Runtime intra-op threads per drafter
     client: dict = field(default_factory=dict)  # SplitClient's TLS and token keywords
+    api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
 
 
 def api_error(e: Exception) -> APIError:
@@ -230,6 +232,23 @@ def _answer_errors_as_openai(app: FastAPI) -> None:
         return _error_response(APIError(e.status_code, str(e.detail), kind))
 
 
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """OpenAI's authentication: every /v1 request carries the key as a bearer token (the
+    ``openai`` client's ``api_key``); compared in constant time. /health stays open."""
+    expected = api_key.encode()
+
+    @app.middleware("http")
+    async def _check(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), expected
+            ):
+                message = "missing or incorrect API key (send Authorization: Bearer <key>)"
+                return _error_response(APIError(401, message, code="invalid_api_key"))
+        return await call_next(request)
+
+
 def create_app(cfg: ServeConfig) -> FastAPI:
     endpoint = Endpoint(cfg)  # loads the tokenizer now: a wrong --draft fails before binding
     created = int(time.time())
@@ -243,6 +262,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="specsplit edge", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     _answer_errors_as_openai(app)
+    if cfg.api_key:
+        _require_api_key(app, cfg.api_key)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -42,8 +42,10 @@ def run_server(cfg: ServeConfig, host: str, port: int, verbose: bool = False) ->
     )
     app = create_app(cfg)  # loads the tokenizer: a bad --draft fails before the port is taken
     sock = bind(host, port)
-    if not _loopback(host):
-        log.warning("serving on %s without authentication: anyone who reaches it can use it", host)
+    if not _loopback(host) and not cfg.api_key:
+        log.warning(
+            "serving on %s without an API key (--api-key): anyone who reaches it can use it", host
+        )
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     # uvicorn accepts once its startup is done; connections made before then wait in the backlog.

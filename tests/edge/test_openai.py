@@ -296,6 +296,32 @@ def test_cloud_down_is_an_openai_503(serve_without_cloud, stream):
     assert "UNAVAILABLE" in e.value.body["message"]
 
 
+def test_an_api_key_is_required_when_set(cloud, draft_dir, tiny, codec, tmp_path):
+    server = EdgeServe(
+        "--server", cloud.address, "--draft", str(draft_dir), "--api-key", "sekret",
+        log_path=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        with pytest.raises(urllib.error.HTTPError) as no_key:  # no Authorization header
+            urllib.request.urlopen(server.url + "/models", timeout=10)
+        assert no_key.value.code == 401
+        assert json.loads(no_key.value.read())["error"]["code"] == "invalid_api_key"
+        for key in ("unused", "sekret-not"):
+            client = openai.OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+            with pytest.raises(openai.AuthenticationError) as e:
+                chat(client, temperature=0, max_tokens=N)
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        client = openai.OpenAI(base_url=server.url, api_key="sekret", max_retries=0, timeout=120)
+        r = chat(client, temperature=0, max_tokens=N)
+        assert r.choices[0].message.content == expected(tiny, codec, chat_ids(codec))
+        with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=10) as h:
+            assert h.status == 200  # for load balancers: no key
+    finally:
+        server.stop()
+
+
 def test_serve_without_a_draft_tokenizer_fails_clearly(tiny):
     r = subprocess.run(
         [EDGE, "serve", "--port", "0", "--draft", str(tiny.draft_onnx)],
