@@ -36,7 +36,7 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
             block = block.head(k)
             k = len(block.tokens)  # shorter when the cloud's hint grew meanwhile
         else:
-            block, draft_ms = s.draft(k)
+            block, draft_ms = await s.draft_off_loop(k)
         t1 = time.perf_counter()
         draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens)
         if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:

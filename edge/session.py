@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specsplit.edge.drafting import Block, Drafter, propose, top_token
-from specsplit.edge.worker import Stoppable
+from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, sampling_params
 from specsplit.shared.seeding import round_rng
 
@@ -113,14 +113,20 @@ class Session:
         # Draft the first block (the draft's own prefill included) while the cloud prefills;
         # a sampled draft needs the seed first, which Started brings when we sent none.
         early = not (cloud_only or led_asked) and (self.seed is not None or cfg.sampling.greedy)
-        first = self.draft(min(cfg.draft_tokens, self.max_new_tokens - 1)) if early else None
-        started = await self.recv("started")
-        self.reached = True
-        self.seed = self.stats.seed = started.seed
-        cloud_led = led_asked and started.cloud_led  # an older server runs lock-step
-        lockstep = not (cloud_only or cloud_led)
-        if lockstep and first is None:
-            first = self.draft(min(cfg.draft_tokens, started.max_new_tokens - 1))
+        k_first = min(cfg.draft_tokens, self.max_new_tokens - 1)
+        early_draft = Worker(self._draft_stoppable, k_first) if early else None
+        try:
+            started = await self.recv("started")
+            self.reached = True
+            self.seed = self.stats.seed = started.seed
+            cloud_led = led_asked and started.cloud_led  # an older server runs lock-step
+            lockstep = not (cloud_only or cloud_led)
+            first = await early_draft.result() if early_draft is not None else None
+            if lockstep and first is None:
+                first = await self.draft_off_loop(min(cfg.draft_tokens, started.max_new_tokens - 1))
+        finally:
+            if early_draft is not None:  # the drafter must be idle before anyone else uses it
+                await early_draft.join()
         if not cloud_only:
             self._check_pair(started.model)
         if cloud_only:
@@ -159,6 +165,19 @@ class Session:
             drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries, cfg.q_levels
         )
         return block, (time.perf_counter() - t0) * 1e3
+
+    async def draft_off_loop(self, k: int) -> tuple[Block, float]:
+        """``draft(k)`` in a worker thread: the event loop, and with it the streams of every
+        other generation in this process (`specsplit-edge serve`'s), goes on meanwhile."""
+        worker = Worker(self._draft_stoppable, k)
+        try:
+            return await worker.result()
+        finally:
+            await worker.join()
+
+    def _draft_stoppable(self, k: int, stop: threading.Event) -> tuple[Block, float]:
+        own = hasattr(self.drafter, "propose")  # a replay: no forward passes to stop
+        return self.draft(k, None, self.drafter if own else Stoppable(self.drafter, stop))
 
     def draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses

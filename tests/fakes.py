@@ -61,6 +61,7 @@ class SlowDrafter:
         self.calls = 0
         self.active = 0  # forward passes in progress
         self.worker_seen = threading.Event()  # a forward pass ran outside the main thread
+        self.loop_calls = 0  # forward passes on the main thread (where the event loop runs)
 
     @property
     def cached(self) -> list[int]:
@@ -74,6 +75,8 @@ class SlowDrafter:
         self.calls += 1
         if threading.current_thread() is not threading.main_thread():
             self.worker_seen.set()
+        else:
+            self.loop_calls += 1
         try:
             time.sleep(self.delay_s)
             self._cached += list(tokens)

@@ -31,3 +31,24 @@ def test_cancel_leaves_the_drafter_idle():
     active, calls_at_cancel, calls_later = asyncio.run(run())
     assert active == 0
     assert calls_later == calls_at_cancel
+
+
+def test_drafting_never_blocks_the_event_loop():
+    """Every draft forward pass (the first block while the cloud prefills, fresh blocks after a
+    missed guess, blocks drafted ahead) runs in a worker thread: other generations' streams in
+    the same process (`specsplit-edge serve`) are never held up by one generation's drafting."""
+    drafter = SlowDrafter(delay_s=0.001)
+
+    async def run():
+        async with gateway() as address, SplitClient(address, drafter) as client:
+            results = []
+            for draft_ahead in (True, False):
+                cfg = GenerationConfig(
+                    max_new_tokens=24, draft_tokens=3, follow_hint=False, draft_ahead=draft_ahead
+                )
+                results.append(await client.generate([1, 2, 3], cfg).collect())
+            return results
+
+    with_ahead, without = asyncio.run(run())
+    assert with_ahead == without and len(without) == 24
+    assert drafter.calls > 0 and drafter.loop_calls == 0
