@@ -189,8 +189,7 @@ class SplitClient:
                 if session.final:  # everything arrived; only the goodbye was lost
                     stats.finish = stats.finish or session.final
                     return
-                self._reached |= session.reached
-                if not self._reached and refused_at_handshake(e):
+                if not (self._reached or session.reached) and refused_at_handshake(e):
                     # A configuration error, not an outage: retrying cannot help.
                     raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
                 pause = backoff.next_pause() if e.code() == grpc.StatusCode.UNAVAILABLE else None

@@ -176,15 +176,18 @@ class Session:
             await worker.join()
 
     def _draft_stoppable(self, k: int, stop: threading.Event) -> tuple[Block, float]:
-        own = hasattr(self.drafter, "propose")  # a replay: no forward passes to stop
-        return self.draft(k, None, self.drafter if own else Stoppable(self.drafter, stop))
+        return self.draft(k, None, self._stoppable(stop))
+
+    def _stoppable(self, stop: threading.Event) -> Drafter:
+        """The drafter for a worker thread: each forward pass first checks ``stop``. A drafter
+        with its own propose (the load benchmark's replay) does no forward passes."""
+        own = hasattr(self.drafter, "propose")
+        return self.drafter if own else Stoppable(self.drafter, stop)
 
     def draft_ahead(self, seq: list[int], k: int, stop: threading.Event) -> tuple[int, Block]:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
         the bonus as the draft's top token and drafts the block after it."""
-        # A drafter with its own propose (the load benchmark's replay) does no forward passes.
-        own = hasattr(self.drafter, "propose")
-        drafter = self.drafter if own else Stoppable(self.drafter, stop)
+        drafter = self._stoppable(stop)
         guess = top_token(drafter, seq)
         return guess, self.draft(k, [*seq, guess], drafter)[0]
 
