@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from specsplit.edge.drafting import Block, draft_block, next_logits
+from specsplit.edge.drafting import Block, draft_block, guess_next
 from specsplit.shared.sampling import SamplingConfig
 
 K_MAX = 8  # the largest block replayed; the edge's own k is at most this
@@ -39,15 +39,15 @@ class ReplayDrafter:
         self.log: list | None = None  # fingerprints of proposed blocks, when set to a list
         self._lock = threading.Lock()  # the live drafter has one KV cache
 
-    # SplitClient's seams (edge.drafting.propose / top_token) -------------------------------
+    # SplitClient's seams (edge.drafting.propose / guess_next) -------------------------------
 
-    def propose(self, committed, k, cfg: SamplingConfig, rng, q_entries) -> Block:
-        block = self._propose(committed, k, cfg, rng, q_entries)
+    def propose(self, committed, k, cfg: SamplingConfig, noise, q_entries) -> Block:
+        block = self._propose(committed, k, cfg, noise, q_entries)
         if self.log is not None:
             self.log.append(fingerprint(committed, block))
         return block
 
-    def _propose(self, committed, k, cfg: SamplingConfig, rng, q_entries) -> Block:
+    def _propose(self, committed, k, cfg: SamplingConfig, noise, q_entries) -> Block:
         key = tuple(committed)
         block = self.blocks.get(key)
         if block is not None and len(block.tokens) >= k:
@@ -57,9 +57,9 @@ class ReplayDrafter:
             self.off_path += 1  # only a wrong guess of a draft-ahead leads here: never used
             return Block([], None)
         self.misses += 1
-        return self.record(committed, cfg, rng, q_entries).head(k)
+        return self.record(committed, cfg, noise, q_entries).head(k)
 
-    def top_token(self, committed) -> int:
+    def guess_next(self, committed, cfg: SamplingConfig, noise, q_entries) -> int:
         top = self.tops.get(tuple(committed))
         if top is not None:
             self.hits += 1
@@ -68,21 +68,21 @@ class ReplayDrafter:
             return -1  # off the greedy path: no verdict will ever match this guess
         self.misses += 1
         with self._lock:
-            return int(next_logits(self.live, committed).argmax())
+            return guess_next(self.live, committed, cfg, noise, q_entries)
 
     # recording ---------------------------------------------------------------------------------
 
-    def record(self, committed: Sequence[int], cfg: SamplingConfig, rng, q_entries) -> Block:
+    def record(self, committed: Sequence[int], cfg: SamplingConfig, noise, q_entries) -> Block:
         """Drafts K_MAX + 1 tokens live after ``committed`` and keeps them."""
         with self._lock:
-            block = draft_block(self.live, committed, K_MAX + 1, cfg, rng, q_entries)
+            block = draft_block(self.live, committed, K_MAX + 1, cfg, noise, q_entries)
         key = tuple(committed)
         self.blocks[key] = block
-        # The draft's top token after committed + d_1..d_j is d_(j+1) when greedy, and the first
-        # id of q_(j+1) (sorted by probability) when sampling: what a draft-ahead guesses.
+        # What a draft-ahead guesses after committed + d_1..d_j is d_(j+1): the top token when
+        # greedy, and when sampling the draw from q_(j+1) with the shared numbers of its
+        # position, which is how d_(j+1) itself was drawn (edge.drafting.guess_next).
         for j in range(len(block.tokens)):
-            top = block.tokens[j] if block.q is None else int(block.q[j].ids[0])
-            self.tops.setdefault(key + tuple(block.tokens[:j]), top)
+            self.tops.setdefault(key + tuple(block.tokens[:j]), block.tokens[j])
         return block
 
     # the Drafter protocol, for anything that asks the drafter directly --------------------------
@@ -108,8 +108,8 @@ class LoggingDrafter:
         self.live, self.log = live, []
         self.vocab_size, self.eos_token_ids = live.vocab_size, live.eos_token_ids
 
-    def propose(self, committed, k, cfg, rng, q_entries) -> Block:
-        block = draft_block(self.live, committed, k, cfg, rng, q_entries)
+    def propose(self, committed, k, cfg, noise, q_entries) -> Block:
+        block = draft_block(self.live, committed, k, cfg, noise, q_entries)
         self.log.append(fingerprint(committed, block))
         return block
 

@@ -14,6 +14,13 @@ and c grows strictly from step to step, so every step draws fresh numbers whethe
 came. Which Draft is picked depends only on timing and on tokens before c, never on the numbers
 the step draws. The consistency check is what makes drafts worth verifying (tokens drafted after
 another prefix are rarely accepted); correctness does not depend on it.
+
+The tokens a step draws with no draft deciding them (k = 0, or the bonus) use the session's
+shared numbers at their position (shared/coupling.py), the ones the edge drew its speculation
+for that position with. Those numbers feed no accept test, and the history before a position
+does not depend on them, so each such draw is still exactly p; but it often equals the edge's
+token there, so the edge's Drafts after it stay consistent at T > 0 (with independent numbers
+they agreed with probability sum p*q, below one half on prose at T = 0.7).
 """
 
 from __future__ import annotations

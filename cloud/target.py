@@ -34,6 +34,7 @@ from specsplit.shared.acceptance import (
     verify_rejection,
     verify_token_only,
 )
+from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs
 from specsplit.shared.seeding import round_rng
 
@@ -332,9 +333,12 @@ class TargetModel:
             return verify_greedy(logits.argmax(dim=-1).cpu().numpy(), drafts)
         p = logits_to_probs(logits.float().cpu().numpy(), params.sampling)  # [k + 1, V]
         rng = round_rng(params.seed, "verify", base_len)
+        # Draws no draft decides share their numbers with the edge's drafting at that position.
+        noise = SharedNoise(params.seed, p.shape[-1])
+        draw = lambda i, probs: noise.draw(base_len + i, probs)  # noqa: E731
         if params.mode is Mode.REJECTION:
-            return verify_rejection(p, drafts, q or [], rng)
-        return verify_token_only(p, drafts, rng)
+            return verify_rejection(p, drafts, q or [], rng, draw)
+        return verify_token_only(p, drafts, rng, draw)
 
     def _timed_pass(self, rows: int) -> float:
         scratch = -1  # never a Triton correlation id (those are unsigned)

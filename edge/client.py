@@ -68,7 +68,9 @@ class GenerationConfig:
     # per outage (edge/retry.py); never once the final verdict came.
     retry_window_s: float = DEFAULT_WINDOW_S
     # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
-    # top token"; used when the verdict matches (DESIGN §4). Output is the same either way.
+    # guess" (its top token when greedy, its own draw with the shared numbers when sampling,
+    # edge.drafting.guess_next); used when the verdict matches (DESIGN §4). Output is the same
+    # either way.
     draft_ahead: bool = True
 
     @property

@@ -8,8 +8,11 @@ a continuation (Draft.continues) of the Draft before; the cloud verifies the par
 committed yet. A Verdict that agrees
 with the speculation consumes its head; one that does not restarts it from the committed prefix.
 
-Draft randomness is keyed by (seed, position), so a token drafted twice after the same prefix is
-the same token: a speculation rebuilt after a Verdict equals the one drafted before it.
+Draft randomness is the session's shared numbers at each position (shared/coupling.py), so a
+token drafted twice after the same prefix is the same token (a speculation rebuilt after a Verdict
+equals the one drafted before it), and where the cloud draws a position itself, with no Draft
+there, it often draws the token the speculation holds, which keeps the speculation after it
+alive at T > 0.
 Drafting pauses when it does not pay (almost nothing accepted); the cloud streams on regardless.
 """
 
@@ -28,8 +31,6 @@ from specsplit.edge.drafting import draft_distribution, next_logits
 from specsplit.edge.session import Session
 from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
-from specsplit.shared.sampling import sample
-from specsplit.shared.seeding import round_rng
 
 PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
 PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
@@ -60,8 +61,7 @@ def _draft_one(s: Session, seq: list[int], stop: threading.Event):
     if cfg.sampling.greedy:
         return int(np.argmax(logits)), None
     q = draft_distribution(logits, cfg.sampling, cfg.q_entries, cfg.q_levels)
-    rng = round_rng(s.seed, "draft-at", len(seq))
-    return int(q.ids[sample(q.probs, rng)]), q
+    return s.noise.draw_sparse(len(seq), q), q
 
 
 class _Reach:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.sampling import (
     Q_LEVELS,
     SamplingConfig,
@@ -86,11 +87,13 @@ def draft_block(
     committed: Sequence[int],
     k: int,
     cfg: SamplingConfig,
-    rng: np.random.Generator | None,
+    noise: SharedNoise | None,
     q_entries: int = DEFAULT_Q_ENTRIES,
     q_levels: int = Q_LEVELS,
 ) -> Block:
-    """Proposes k tokens after ``committed``. d_k is not fed back (the verdict decides its fate)."""
+    """Proposes k tokens after ``committed``. d_k is not fed back (the verdict decides its fate).
+    When sampling, d_i is drawn with the session's shared numbers at its position, which couples
+    it with the cloud's own draw there (shared/coupling.py)."""
     logits = next_logits(drafter, committed)
     tokens: list[int] = []
     qs: list[SparseDist] = []
@@ -98,8 +101,9 @@ def draft_block(
         if cfg.greedy:
             tokens.append(int(np.argmax(logits)))
         else:
+            assert noise is not None, "sampling needs the session's shared noise"
             q = draft_distribution(logits, cfg, q_entries, q_levels)
-            tokens.append(int(q.ids[sample(q.probs, rng)]))
+            tokens.append(noise.draw_sparse(len(committed) + i, q))
             qs.append(q)
         if i + 1 < k:
             logits = drafter.forward(tokens[-1:])[-1]
@@ -111,7 +115,7 @@ def propose(
     committed: Sequence[int],
     k: int,
     cfg: SamplingConfig,
-    rng: np.random.Generator | None,
+    noise: SharedNoise | None,
     q_entries: int = DEFAULT_Q_ENTRIES,
     q_levels: int = Q_LEVELS,
 ) -> Block:
@@ -119,16 +123,31 @@ def propose(
     benchmark), else ``draft_block``."""
     own = getattr(drafter, "propose", None)
     if own is not None:
-        return own(committed, k, cfg, rng, q_entries)
-    return draft_block(drafter, committed, k, cfg, rng, q_entries, q_levels)
+        return own(committed, k, cfg, noise, q_entries)
+    return draft_block(drafter, committed, k, cfg, noise, q_entries, q_levels)
 
 
-def top_token(drafter: Drafter, committed: Sequence[int]) -> int:
-    """The draft's most likely next token (the guessed bonus when drafting ahead)."""
-    own = getattr(drafter, "top_token", None)
+def guess_next(
+    drafter: Drafter,
+    committed: Sequence[int],
+    cfg: SamplingConfig,
+    noise: SharedNoise | None,
+    q_entries: int = DEFAULT_Q_ENTRIES,
+    q_levels: int = Q_LEVELS,
+) -> int:
+    """The draft's guess at the token the cloud draws itself after ``committed`` (the bonus a
+    draft-ahead bets on): the top token when greedy, else the draft's own draw from q with the
+    numbers the cloud's draw at that position shares (shared/coupling.py); the two agree with
+    probability >= (1 - TV) / (1 + TV), where the top token would match a sampled bonus only
+    with probability p(top)."""
+    own = getattr(drafter, "guess_next", None)
     if own is not None:
-        return own(committed)
-    return int(np.argmax(next_logits(drafter, committed)))
+        return own(committed, cfg, noise, q_entries)
+    logits = next_logits(drafter, committed)
+    if cfg.greedy:
+        return int(np.argmax(logits))
+    assert noise is not None, "sampling needs the session's shared noise"
+    return noise.draw_sparse(len(committed), draft_distribution(logits, cfg, q_entries, q_levels))
 
 
 def generate_edge_only(

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from specsplit.edge.drafting import Block, Drafter, propose, top_token
+from specsplit.edge.drafting import Block, Drafter, guess_next, propose
 from specsplit.edge.worker import Stoppable, Worker
+from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, sampling_params
-from specsplit.shared.seeding import round_rng
 
 if TYPE_CHECKING:
     from specsplit.edge.client import GenerationConfig
@@ -57,6 +57,7 @@ class Session:
         self.committed = list(committed)  # own copy: the caller extends its list from chunks
         self.max_new_tokens = max_new_tokens
         self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
+        self._noise: SharedNoise | None = None
         self.call = None
         self.metadata = None  # the call's metadata (the bearer token)
         self.final = ""  # the finish reason, once the final verdict came
@@ -159,10 +160,9 @@ class Session:
         a guessed prefix equals the one drafted after the verdict confirms it."""
         cfg = self.cfg
         seq = self.committed if prefix is None else prefix
-        rng = None if cfg.sampling.greedy else round_rng(self.seed, "draft", len(seq))
         t0 = time.perf_counter()
         block = propose(
-            drafter or self.drafter, seq, k, cfg.sampling, rng, cfg.q_entries, cfg.q_levels
+            drafter or self.drafter, seq, k, cfg.sampling, self.noise, cfg.q_entries, cfg.q_levels
         )
         return block, (time.perf_counter() - t0) * 1e3
 
@@ -188,8 +188,20 @@ class Session:
         """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses
         the bonus as the draft's top token and drafts the block after it."""
         drafter = self._stoppable(stop)
-        guess = top_token(drafter, seq)
+        cfg = self.cfg
+        guess = guess_next(drafter, seq, cfg.sampling, self.noise, cfg.q_entries, cfg.q_levels)
         return guess, self.draft(k, [*seq, guess], drafter)[0]
+
+    @property
+    def noise(self) -> SharedNoise | None:
+        """The session's shared numbers (None when greedy); needs the seed, which Started
+        brings when the request sent none."""
+        if self.cfg.sampling.greedy:
+            return None
+        if self._noise is None or self._noise.seed != self.seed:
+            assert self.seed is not None, "a sampled draft needs the session's seed"
+            self._noise = SharedNoise(self.seed, self.drafter.vocab_size)
+        return self._noise
 
     def observe(self, v: pb.Verdict, drafted: int, draft_ms: float, round_ms: float) -> None:
         """A verdict's statistics (every session mode)."""

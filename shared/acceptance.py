@@ -11,18 +11,23 @@ Vocabulary, used everywhere in specsplit:
 Every round therefore emits ``d_1..d_n`` and exactly one more token.
 
 The cloud verifier calls these unchanged. Randomness comes only from the ``rng`` argument, so a
-seeded generator reproduces a run.
+seeded generator reproduces a run. A ``draw`` argument, where given, takes over the draws from p
+that no draft decides (the bonus; every token in token-only mode): ``draw(i, p[i])`` returns the
+token at draft position i. The cloud passes one that shares its numbers with the edge's drafting
+(shared/coupling.py); the accept tests and the corrections always use ``rng``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from specsplit.shared.sampling import SparseDist, sample
+
+Draw = Callable[[int, np.ndarray], int]  # (row i, p[i]) -> a token drawn from p[i]
 
 
 class Mode(enum.IntEnum):
@@ -76,6 +81,7 @@ def verify_rejection(
     drafts: Sequence[int],  # [k]
     q: Sequence[SparseDist],  # [k] draft distributions the drafts were sampled from
     rng: np.random.Generator,
+    draw: Draw | None = None,
 ) -> RoundResult:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
 
@@ -91,13 +97,18 @@ def verify_rejection(
         if rng.random() * q_d < p[i, d]:
             continue
         return RoundResult(accepted=i, token=sample(_residual(p[i], q[i]), rng), k=k)
-    return RoundResult(accepted=k, token=sample(p[k], rng), k=k)
+    return RoundResult(accepted=k, token=_plain(p, k, rng, draw), k=k)
+
+
+def _plain(p: np.ndarray, i: int, rng: np.random.Generator, draw: Draw | None) -> int:
+    return sample(p[i], rng) if draw is None else int(draw(i, p[i]))
 
 
 def verify_token_only(
     p: np.ndarray,  # [k + 1, V] target distributions
     drafts: Sequence[int],  # [k]
     rng: np.random.Generator,
+    draw: Draw | None = None,
 ) -> RoundResult:
     """Sample x_i ~ p_i; accept while x_i == d_i; the token is the first x_i that differs.
 
@@ -106,10 +117,10 @@ def verify_token_only(
     k = len(drafts)
     assert p.shape[0] == k + 1, (p.shape, k)
     for i, d in enumerate(drafts):
-        x = sample(p[i], rng)
+        x = _plain(p, i, rng, draw)
         if x != d:
             return RoundResult(accepted=i, token=x, k=k)
-    return RoundResult(accepted=k, token=sample(p[k], rng), k=k)
+    return RoundResult(accepted=k, token=_plain(p, k, rng, draw), k=k)
 
 
 def resolve_mode(requested: Mode | None, temperature: float, has_q: bool) -> Mode:

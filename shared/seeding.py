@@ -2,8 +2,10 @@
 
 Randomness is a function of (seed, side, position), not a stream that advances with each call:
 a session re-opened after a cloud failure (DESIGN §2) draws the very same numbers at the same
-positions, so the output is unchanged. Edge and cloud use independent streams (different ``side``),
-because a draft sampled with the verifier's own random numbers would bias the accept test.
+positions, so the output is unchanged. The verifier's accept tests and corrections use a stream
+of their own (``side`` "verify"): a draft drawn with the numbers an accept test reads would bias
+that test. The numbers both sides do share (shared/coupling.py) only feed draws that no accept
+test reads.
 """
 
 from __future__ import annotations

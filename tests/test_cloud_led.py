@@ -3,7 +3,10 @@ the timing, including a link slow enough to make most drafts stale on arrival.
 
 Greedy: the output equals transformers' greedy output of the target. Sampled: every verification
 mode completes with the requested length (its exactness is the chi-square test in
-tests/shared/test_distribution.py, which runs the gateway's own draft pool).
+tests/cloud/test_cloud_led_distribution.py, which runs the gateway's own draft pool), and in
+token-only mode the output is the target's own sampled output for the seed, token for token,
+whatever the drafter, the session mode and the link: every token is the cloud's draw with the
+session's shared numbers (shared/coupling.py), which drafts can only match, never change.
 """
 
 from __future__ import annotations
@@ -72,6 +75,31 @@ def test_sampled_cloud_led_completes(cloud, tiny, verification):
         gen = asyncio.run(_generate(port, rtt_ms, drafter, PROMPTS[0], **cfg))
         assert len(gen.token_ids) == N_NEW and gen.stats.finish == "LENGTH"
         assert gen.stats.new_tokens == gen.stats.accepted + gen.stats.rounds
+
+
+def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny):
+    port = int(cloud.address.rsplit(":", 1)[1])
+    sampling = SamplingConfig(temperature=0.9)
+
+    async def cloud_only(prompt):
+        async with SplitClient(cloud.address, None) as client:
+            cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=11)
+            gen = client.generate(prompt, cfg, mode="cloud-only")
+            await gen.collect()
+            return gen.token_ids
+
+    cfg = dict(sampling=sampling, verification=Mode.TOKEN_ONLY, seed=11, draft_tokens=4)
+    for prompt in PROMPTS:
+        want = asyncio.run(cloud_only(prompt))
+        assert len(want) == N_NEW
+        accepted = 0
+        for draft in ("same", "unrelated"):
+            drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
+            for rtt_ms in (0, 150):
+                gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, **cfg))
+                assert gen.token_ids == want, (prompt, draft, rtt_ms)
+                accepted += gen.stats.accepted
+        assert accepted > 0  # drafts were verified, not only the cloud's own draws
 
 
 def test_cloud_only_and_cloud_led_together_are_refused(cloud):

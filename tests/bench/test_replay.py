@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from bench.replay import K_MAX, ReplayDrafter
-from specsplit.edge.drafting import draft_block, next_logits, propose, top_token
+from specsplit.edge.drafting import draft_block, guess_next, propose
+from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.sampling import SamplingConfig
-from specsplit.shared.seeding import round_rng
 
 V = 50
 
@@ -36,16 +36,17 @@ def test_replayed_blocks_and_guesses_equal_live(temperature):
     replay = ReplayDrafter(HashDrafter(), greedy=temperature == 0)
     live = HashDrafter()
     prefix = [1, 2, 3]
-    replay.record(prefix, cfg, round_rng(7, "draft", len(prefix)), 16)
+    noise = SharedNoise(7, V)
+    replay.record(prefix, cfg, noise, 16)
     for k in range(K_MAX + 1):
-        got = propose(replay, prefix, k, cfg, round_rng(7, "draft", len(prefix)), 16)
-        want = draft_block(live, prefix, k, cfg, round_rng(7, "draft", len(prefix)), 16)
+        got = propose(replay, prefix, k, cfg, noise, 16)
+        want = draft_block(live, prefix, k, cfg, noise, 16)
         assert got.tokens == want.tokens
         if temperature:
             assert [q.ids.tolist() for q in got.q] == [q.ids.tolist() for q in want.q]
         # the draft-ahead guess after the block comes from the recording, not the live model
         seq = [*prefix, *want.tokens]
-        assert top_token(replay, seq) == int(np.argmax(next_logits(live, seq)))
+        assert guess_next(replay, seq, cfg, noise, 16) == guess_next(live, seq, cfg, noise, 16)
     assert replay.misses == 0
 
 
@@ -53,4 +54,4 @@ def test_greedy_miss_is_an_empty_block_never_a_live_draft():
     replay = ReplayDrafter(HashDrafter(), greedy=True)
     block = propose(replay, [4, 5], 3, SamplingConfig(), None, 16)
     assert block.tokens == [] and replay.off_path == 1
-    assert top_token(replay, [4, 5]) == -1
+    assert guess_next(replay, [4, 5], SamplingConfig(), None, 16) == -1
