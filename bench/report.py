@@ -267,7 +267,13 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         f"{meta['draft_precision']}), pinned to cores {meta['edge_cores']} "
         f"with {len(meta['edge_cores'])} thread(s).",
         f"- {plan['prompts']} prompts (`bench/prompts.jsonl`, chat template), "
-        f"{plan['max_new_tokens']} new tokens each; fixed k ∈ {list(plan['ks'])} (lock-step),"
+        f"{plan['max_new_tokens']} new tokens each"
+        + (
+            f", {plan['samples']} seeds per prompt at temperature > 0 (greedy: one)"
+            if plan.get("samples", 1) > 1
+            else ""
+        )
+        + f"; fixed k ∈ {list(plan['ks'])} (lock-step),"
         f" adaptive k ≤ {plan.get('k_max', '–')} (lock-step-adaptive, cloud-led), temperature ∈ "
         f"{list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms"
         + (", and the LTE-like link." if plan.get("lte") else "."),

@@ -61,6 +61,16 @@ class Plan:
     lte: bool
     prompts: tuple[dict, ...]
     max_new_tokens: int
+    # Sampled (T > 0) generations per prompt and config, seeds crc32(prompt id) + 0, 1, ...: one
+    # sampled path of 32 tokens is luck more than speed (greedy output needs only one).
+    samples: int = 1
+
+    def samples_of(self, cfg: Config) -> int:
+        return self.samples if cfg.temperature > 0 else 1
+
+    @property
+    def planned(self) -> int:
+        return sum(self.samples_of(c) for c in self.configs()) * len(self.prompts)
 
     def configs(self) -> list[Config]:
         """Condition-major, so a run stopped early still covers every temperature at the low
@@ -81,8 +91,9 @@ def load_prompts() -> list[dict]:
 
 
 def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
-    """Full: 8 conditions x 2 temperatures x 6 modes x 2 prompts of 32 tokens, about 30 min on
-    the 2-core CPU box; quick: 3 conditions x 2 temperatures x 4 modes x 1 prompt of 16."""
+    """Full: 8 conditions x 2 temperatures x 6 modes x 2 prompts of 32 tokens, three seeds each
+    at T = 0.7, about 55 min on the 2-core CPU box; quick: 3 conditions x 2 temperatures x
+    4 modes x 1 prompt of 16, one seed."""
     prompts = load_prompts()
     code = [p for p in prompts if p["class"] == "code"]
     prose = [p for p in prompts if p["class"] == "prose"]
@@ -96,6 +107,7 @@ def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
         True,
         (code[0], prose[0]),
         max_new_tokens or 32,
+        samples=3,
     )
 
 
@@ -116,13 +128,14 @@ async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed
     return gen
 
 
-def record(cfg: Config, prompt: dict, gen) -> dict:
+def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
     s = gen.stats
     return {
         **s.summary(),  # first: its "mode" is the client's ("split"), the bench's comes next
         **asdict(cfg),
         "key": cfg.key,
         "prompt_id": prompt["id"],
+        "sample": sample,
         "class": prompt["class"],
         "token_ids": gen.token_ids,
         "draft_ms": s.draft_ms,
@@ -142,7 +155,13 @@ async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set
     await generate(
         address, drafter, encoded[plan.prompts[0]["id"]], Config("lock-step", 4, 0, 0), 8, 0
     )
-    todo = [(c, p) for c in plan.configs() for p in plan.prompts if (c.key, p["id"]) not in done]
+    todo = [
+        (c, p, j)
+        for c in plan.configs()
+        for p in plan.prompts
+        for j in range(plan.samples_of(c))
+        if (c.key, p["id"], j) not in done
+    ]
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -151,16 +170,16 @@ async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set
     )
     with Progress(*columns, console=console) as progress, raw.open("a") as out:
         task = progress.add_task("generations", total=len(todo))
-        for cfg, prompt in todo:
-            progress.update(task, description=f"{cfg.key:28s} {prompt['id']}")
-            seed = zlib.crc32(prompt["id"].encode())
+        for cfg, prompt, j in todo:
+            progress.update(task, description=f"{cfg.key:28s} {prompt['id']} #{j}")
+            seed = zlib.crc32(prompt["id"].encode()) + j
             ids = encoded[prompt["id"]]
             link = LTE if cfg.link == "lte" else {"rtt_ms": cfg.rtt_ms}
             async with DelayProxy(gateway_port, **link) as proxy:
                 # RTT 0 goes direct: no proxy hop in the loopback baseline
                 via = f"127.0.0.1:{proxy.port}" if cfg.rtt_ms > 0 else address
                 gen = await generate(via, drafter, ids, cfg, plan.max_new_tokens, seed)
-            out.write(json.dumps(record(cfg, prompt, gen)) + "\n")
+            out.write(json.dumps(record(cfg, prompt, j, gen)) + "\n")
             out.flush()
             progress.advance(task)
 
@@ -194,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     done = set()
     if args.resume and raw.exists():
-        done = {(r["key"], r["prompt_id"]) for r in map(json.loads, raw.read_text().splitlines())}
+        records = map(json.loads, raw.read_text().splitlines())
+        done = {(r["key"], r["prompt_id"], r.get("sample", 0)) for r in records}
     else:
         raw.write_text("")
     plan = make_plan(args.quick, args.max_new_tokens)
@@ -211,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "edge_cores": sorted(edge_cores),
         "cloud_cores": sorted(cloud_cores),
         "plan": asdict(plan) | {"prompts": len(plan.prompts)},
-        "planned": len(plan.configs()) * len(plan.prompts),
+        "planned": plan.planned,
     }
     if done and meta_path.exists():  # a resumed run reports its first start and total time
         before = json.loads(meta_path.read_text())
