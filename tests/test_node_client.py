@@ -47,7 +47,7 @@ def python_drafts(draft_onnx: Path, prompt: list[int], target: list[int], k: int
     while len(committed) - len(prompt) < len(target):
         done = len(committed) - len(prompt)
         k_round = min(k, len(target) - done - 1)  # never past the length limit, as the edge
-        block = draft_block(drafter, committed, k_round, SamplingConfig(), rng=None)
+        block = draft_block(drafter, committed, k_round, SamplingConfig(), noise=None)
         n = 0
         while n < len(block.tokens) and block.tokens[n] == target[done + n]:
             n += 1
