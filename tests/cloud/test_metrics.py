@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 import urllib.request
 from collections.abc import Sequence
 
@@ -243,6 +244,16 @@ def scrape(url: str) -> str:
         return r.read().decode()
 
 
+def scrape_settled(url: str) -> dict:
+    """Samples scraped once no stream is open (see ``settled``)."""
+    for _ in range(200):
+        m = samples(scrape(url))
+        if value(m, "specsplit_sessions_active") == 0:
+            break
+        time.sleep(0.05)
+    return m
+
+
 async def generate(address, drafter, prompt, mode, **cfg):
     async with SplitClient(address, drafter) as client:
         gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
@@ -268,7 +279,7 @@ def test_counters_equal_the_clients_stats_on_real_parts(tiny, tmp_path):
             for p, d, k, m in runs
         ]
         only = asyncio.run(generate(cloud.address, None, [5, 6], "cloud-only", max_new_tokens=5))
-        m = samples(scrape(f"http://127.0.0.1:{port}/metrics"))
+        m = scrape_settled(f"http://127.0.0.1:{port}/metrics")
         triton = re.search(
             r"triton \S+ metrics on (http://127\.0\.0\.1:\d+/metrics)", cloud.log_path.read_text()
         )
