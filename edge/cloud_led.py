@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.drafting import draft_distribution, next_logits
+from specsplit.edge.drafting import draw_next, next_logits
 from specsplit.edge.session import Session
 from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
@@ -58,10 +58,7 @@ def _draft_one(s: Session, seq: list[int], stop: threading.Event):
     """One draft token after ``seq`` and the q it was sampled from (None when greedy)."""
     cfg = s.cfg
     logits = next_logits(Stoppable(s.drafter, stop), seq)
-    if cfg.sampling.greedy:
-        return int(np.argmax(logits)), None
-    q = draft_distribution(logits, cfg.sampling, cfg.q_entries, cfg.q_levels)
-    return s.noise.draw_sparse(len(seq), q), q
+    return draw_next(logits, len(seq), cfg.sampling, s.noise, cfg.q_entries, cfg.q_levels)
 
 
 class _Reach:

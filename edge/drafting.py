@@ -70,6 +70,24 @@ def draft_distribution(
     return quantise(q, q_levels) if q_levels else q
 
 
+def draw_next(
+    logits: np.ndarray,
+    pos: int,
+    cfg: SamplingConfig,
+    noise: SharedNoise | None,
+    q_entries: int = DEFAULT_Q_ENTRIES,
+    q_levels: int = Q_LEVELS,
+) -> tuple[int, SparseDist | None]:
+    """The draft's token at sequence index ``pos`` from its logits [V], and the q it was drawn
+    from: the top token when greedy (q None), else a draw from q with the session's shared
+    numbers at ``pos``, which couples it with the cloud's own draw there (shared/coupling.py)."""
+    if cfg.greedy:
+        return int(np.argmax(logits)), None
+    assert noise is not None, "sampling needs the session's shared noise"
+    q = draft_distribution(logits, cfg, q_entries, q_levels)
+    return noise.draw_sparse(pos, q), q
+
+
 def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
     """Rolls the cache back to its common prefix with ``committed``, feeds the rest; returns the
     logits [V] after the last committed token."""
@@ -91,19 +109,15 @@ def draft_block(
     q_entries: int = DEFAULT_Q_ENTRIES,
     q_levels: int = Q_LEVELS,
 ) -> Block:
-    """Proposes k tokens after ``committed``. d_k is not fed back (the verdict decides its fate).
-    When sampling, d_i is drawn with the session's shared numbers at its position, which couples
-    it with the cloud's own draw there (shared/coupling.py)."""
+    """Proposes k tokens after ``committed`` (each by ``draw_next``). d_k is not fed back (the
+    verdict decides its fate)."""
     logits = next_logits(drafter, committed)
     tokens: list[int] = []
     qs: list[SparseDist] = []
     for i in range(k):
-        if cfg.greedy:
-            tokens.append(int(np.argmax(logits)))
-        else:
-            assert noise is not None, "sampling needs the session's shared noise"
-            q = draft_distribution(logits, cfg, q_entries, q_levels)
-            tokens.append(noise.draw_sparse(len(committed) + i, q))
+        token, q = draw_next(logits, len(committed) + i, cfg, noise, q_entries, q_levels)
+        tokens.append(token)
+        if q is not None:
             qs.append(q)
         if i + 1 < k:
             logits = drafter.forward(tokens[-1:])[-1]
@@ -144,10 +158,7 @@ def guess_next(
     if own is not None:
         return own(committed, cfg, noise, q_entries)
     logits = next_logits(drafter, committed)
-    if cfg.greedy:
-        return int(np.argmax(logits))
-    assert noise is not None, "sampling needs the session's shared noise"
-    return noise.draw_sparse(len(committed), draft_distribution(logits, cfg, q_entries, q_levels))
+    return draw_next(logits, len(committed), cfg, noise, q_entries, q_levels)[0]
 
 
 def generate_edge_only(

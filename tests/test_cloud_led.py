@@ -28,11 +28,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 100, 200, 13, 9, 250]]
 N_NEW = 24
 
 
-async def _generate(port: int, rtt_ms: float, drafter, prompt, **cfg):
+async def _generate(port: int, rtt_ms: float, drafter, prompt, session_mode="cloud-led", **cfg):
     # follow_hint=False: the tiny target's cost model asks for k = 0 (its pass cost is all
     # lm_head rows); these tests are about verifying drafts
     config = GenerationConfig(
-        max_new_tokens=N_NEW, session_mode="cloud-led", follow_hint=False, **cfg
+        max_new_tokens=N_NEW, session_mode=session_mode, follow_hint=False, **cfg
     )
     async with DelayProxy(port, rtt_ms) as proxy:
         client = SplitClient(f"127.0.0.1:{proxy.port}", drafter)
@@ -92,14 +92,14 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny):
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert len(want) == N_NEW
-        accepted = 0
         for draft in ("same", "unrelated"):
             drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
-            for rtt_ms in (0, 150):
-                gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, **cfg))
-                assert gen.token_ids == want, (prompt, draft, rtt_ms)
-                accepted += gen.stats.accepted
-        assert accepted > 0  # drafts were verified, not only the cloud's own draws
+            for mode in ("lock-step", "cloud-led"):
+                for rtt_ms in (0, 150):
+                    gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, mode, **cfg))
+                    assert gen.token_ids == want, (prompt, draft, mode, rtt_ms)
+                    if (draft, mode) == ("same", "lock-step"):  # every round verifies drafts
+                        assert gen.stats.accepted > 0, (prompt, rtt_ms)
 
 
 def test_cloud_only_and_cloud_led_together_are_refused(cloud):
