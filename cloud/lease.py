@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_WAIT_S = 30.0  # a call in flight when the client left: time it gets to finish
 END_TIMEOUT_S = 5.0
+REOPEN_PAUSE_S = 0.5
 # A START cut off in transit may reach Triton after our END (refused as unknown): ask again.
 END_RETRY_S = (0.0, 0.5, 2.0)
 
@@ -105,6 +106,9 @@ class Lease:
                 log.warning("re-open on %s failed: %s", self.replica.url, e)
                 self.replicas.failed(self.replica)
                 move = True
+                # A replica can call its model ready and still fail every request (a dead
+                # stub, until its restart): never retry it in a busy loop.
+                await asyncio.sleep(min(REOPEN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
     def _move(self) -> None:
         old, old_triton = self.replica, self.triton

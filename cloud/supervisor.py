@@ -1,6 +1,8 @@
 """Keeps `serve`'s tritonservers running (DESIGN §8): a server that exits without being asked
-to is cleaned up (its process group, where the Python backend stub would live on as an orphan,
-and its shared-memory regions) and started again on the same port, with bounded backoff.
+to, or whose Python backend stub died under it (Triton then fails every request and never
+starts the stub again), is cleaned up (its process group, where the stub of a crashed server
+would live on as an orphan, and its shared-memory regions) and started again on the same port,
+with bounded backoff.
 
 The gateway notices nothing but a replica that is down for a while: its health watch marks it
 up again once the model is ready, and the sessions that were on it re-open from their committed
@@ -35,18 +37,20 @@ class TritonSupervisor:
         while True:
             await asyncio.sleep(self.poll_s)
             if self.server.exited:
-                await self._recover()
+                code = self.server.proc.returncode if self.server.proc else None
+                await self._recover(f"exited (code {code})")
+            elif self.server.stub_lost:
+                await self._recover("lost its Python backend stub")
 
-    async def _recover(self) -> None:
-        code = self.server.proc.returncode if self.server.proc else None
+    async def _recover(self, why: str) -> None:
         if time.monotonic() - self._up_since >= STABLE_S:
             self._failures = 0
         while True:
             pause = self.backoff_s[min(self._failures, len(self.backoff_s) - 1)]
             log.error(
-                "tritonserver on %s exited (code %s); restarting in %.1f s",
+                "tritonserver on %s %s; restarting in %.1f s",
                 self.server.url,
-                code,
+                why,
                 pause,
             )
             await asyncio.sleep(pause)

@@ -141,14 +141,36 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
+    if not Path("/proc/self/stat").exists():
+        return True  # no /proc: trust killpg
+    return any(True for _ in _live_members(pgid))
+
+
+def _running_in(stat: Path, pgid: int) -> bool:
+    """Whether the process of ``/proc/<pid>/stat`` runs (not a zombie) in group ``pgid``."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False  # gone meanwhile
+    return int(fields[2]) == pgid and fields[0] not in ("Z", "X")
+
+
+def _live_members(pgid: int):
+    """The pids of group ``pgid`` that run, from /proc."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return not Path("/proc/self/stat").exists()  # no /proc: trust killpg
+        if _running_in(stat, pgid):
+            yield int(stat.parent.name)
+
+
+def stub_pids(pgid: int) -> set[int]:
+    """The Python backend stubs running in tritonserver's process group."""
+    stubs = set()
+    for pid in _live_members(pgid):
+        with contextlib.suppress(OSError):
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
+            if argv0.endswith(b"triton_python_backend_stub"):
+                stubs.add(pid)
+    return stubs
 
 
 def pinned(cmd: list[str], cpus) -> list[str]:
@@ -208,6 +230,7 @@ class TritonServer:
         # stop() may run while another thread (re)starts the server: after it, nothing starts.
         self._lock = threading.Lock()
         self._closed = False
+        self._stubs: set[int] = set()  # the model's Python backend stubs, found once ready
 
     @property
     def url(self) -> str:
@@ -295,6 +318,7 @@ class TritonServer:
                 with contextlib.suppress(Exception):
                     if client.is_model_ready(MODEL_NAME, client_timeout=_POLL_TIMEOUT_S):
                         log.info("tritonserver ready on %s", self.url)
+                        self._stubs = stub_pids(proc.pid)
                         return
                 time.sleep(0.2)
         finally:
@@ -316,11 +340,22 @@ class TritonServer:
         proc = self.proc
         return proc is not None and proc.poll() is not None
 
+    @property
+    def stub_lost(self) -> bool:
+        """True when a Python backend stub that served the model died while tritonserver runs
+        on: Triton answers every request with "Stub process ... is not healthy" and still calls
+        the model ready, and never starts the stub again. Only a restart mends it."""
+        proc = self.proc
+        return proc is not None and not all(
+            _running_in(Path(f"/proc/{pid}/stat"), proc.pid) for pid in self._stubs
+        )
+
     def kill(self, grace_s: float = 15.0) -> None:
         """Stops the server and everything in its group (a crashed server's Python backend stub
         lives on as an orphan there), and removes its shared-memory regions. Restartable."""
         with self._lock:
             proc, self.proc = self.proc, None
+            self._stubs = set()
         if proc is not None:
             stop_process_group(proc, grace_s, signal_group=True)
         for f in glob.glob(f"/dev/shm/{self._shm_prefix}*"):

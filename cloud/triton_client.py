@@ -80,11 +80,16 @@ def _int(result, name: str) -> int:
     return int(result.as_numpy(name).reshape(-1)[0])
 
 
+_STUB_DEAD = "is not healthy"  # Triton's "Stub process '<instance>' is not healthy."
+
+
 def _classify(error: Exception) -> Exception:
     msg = str(error)
     if "SESSION_NOT_FOUND" in msg or "must specify the START flag" in msg:
         return SessionLost(msg)
-    if "StatusCode.UNAVAILABLE" in msg or "failed to connect" in msg.lower():
+    # A dead Python backend stub fails every request until its server is restarted (the
+    # supervisor does that): the replica is down, like one that cannot be reached.
+    if "StatusCode.UNAVAILABLE" in msg or "failed to connect" in msg.lower() or _STUB_DEAD in msg:
         return TritonUnavailable(msg)
     return TritonRequestError(msg)
 

@@ -1,7 +1,7 @@
 """Nothing lost when a process dies or the link drops (DESIGN §8), on real processes: tritonserver
-SIGKILLed under `serve`, the gateway SIGKILLed and started again on its port, a 2 s outage in the
-delay proxy. Each generation must come out exactly as an uninterrupted one: the target's greedy
-output, or the same seeded sample."""
+or its Python backend stub SIGKILLed under `serve`, the gateway SIGKILLed and started again on
+its port, a 2 s outage in the delay proxy. Each generation must come out exactly as an
+uninterrupted one: the target's greedy output, or the same seeded sample."""
 
 from __future__ import annotations
 
@@ -121,12 +121,15 @@ def test_triton_sigkill_mid_generation_is_survived(tiny, tmp_path):
     with CloudProcess("--target", str(tiny.target), log_dir=tmp_path) as cloud:
         port = cloud.triton_url.rsplit(":", 1)[1]
         sample_ref, _ = asyncio.run(_generate(cloud.address, drafter, sampled))
-        for cfg, want in ((greedy, expected), (sampled, sample_ref)):
+        # A dead stub leaves tritonserver running, its model "ready", and every request failing.
+        scenarios = ((greedy, expected, "tritonserver"), (sampled, sample_ref, "tritonserver"))
+        for cfg, want, victim in (*scenarios, (greedy, expected, "Python backend stub")):
             triton = _triton_pid(port)
             stubs = _proc_children(triton)
             assert stubs, "the Python backend stub should run under tritonserver"
-            name = f"tritonserver SIGKILL ({'greedy' if cfg.sampling.greedy else 'sampled'})"
-            killer = KillOnce(lambda pid=triton: os.kill(pid, signal.SIGKILL), name)
+            pid = triton if victim == "tritonserver" else stubs[0]
+            name = f"{victim} SIGKILL ({'greedy' if cfg.sampling.greedy else 'sampled'})"
+            killer = KillOnce(lambda pid=pid: os.kill(pid, signal.SIGKILL), name)
             tokens, stats = asyncio.run(_generate(cloud.address, drafter, cfg, on_tokens=killer))
             assert killer.at is not None and killer.at < N_NEW, "the kill came too late"
             killer.report()

@@ -19,6 +19,7 @@ class _CrashingServer:
     """Exited once; its restarts fail with the given errors, then succeed."""
 
     url = "127.0.0.1:1"
+    stub_lost = False
 
     def __init__(self, *errors: BaseException):
         self.errors = list(errors)
@@ -55,6 +56,40 @@ def test_the_supervisor_retries_a_restart_that_failed(error):
 
     assert asyncio.run(supervise()) == 1
     assert server.attempts == 2
+
+
+class _StubLostServer:
+    """Runs on, but lost its stub; a restart mends it."""
+
+    url = "127.0.0.1:1"
+    exited = False
+
+    def __init__(self):
+        self.stub_lost = True
+        self.attempts = 0
+
+    def restart(self):
+        self.attempts += 1
+        self.stub_lost = False
+        return self
+
+
+def test_a_server_that_lost_its_stub_is_restarted():
+    server = _StubLostServer()
+
+    async def supervise():
+        supervisor = TritonSupervisor(server, poll_s=0.01, backoff_s=(0.01,))
+        task = asyncio.create_task(supervisor.run())
+        deadline = time.monotonic() + 10
+        while supervisor.restarts == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # a few more polls: a mended server is left alone
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return supervisor.restarts
+
+    assert asyncio.run(supervise()) == 1
+    assert server.attempts == 1
 
 
 def test_backends_install_over_a_stub_that_still_runs(tmp_path):
