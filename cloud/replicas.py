@@ -24,11 +24,13 @@ from specsplit.cloud.triton_client import MODEL_NAME, TritonUnavailable
 log = logging.getLogger(__name__)
 
 # A restarted Triton is found within a second, not after grpc's default reconnect backoff
-# (which grows to two minutes while the server is down).
+# (which grows to two minutes while the server is down). Triton must accept our pings: its
+# --grpc-http2-min-recv-ping-interval-without-data (cloud/triton.py) is at most KEEPALIVE_MS.
+KEEPALIVE_MS = 10_000
 CHANNEL_ARGS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
-    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),

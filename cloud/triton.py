@@ -35,6 +35,15 @@ _POLL_CHANNEL_ARGS = [
 ]
 _POLL_TIMEOUT_S = 5.0
 
+# Triton accepts a client's keepalive ping this often while no data flows: the gateway pings
+# every 10 s (cloud/replicas.py) to find a dead replica fast. At Triton's default (one ping per
+# 5 min, GOAWAY "Too many pings" at the third strike) a session's stream idle for 30 s was cut.
+MIN_PING_INTERVAL_MS = 5_000
+TRITON_KEEPALIVE_FLAGS = (
+    f"--grpc-http2-min-recv-ping-interval-without-data={MIN_PING_INTERVAL_MS}",
+    "--grpc-keepalive-permit-without-calls=1",
+)
+
 MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
 MODEL_NAME = "target"
 
@@ -270,6 +279,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--grpc-port={self.grpc_port}",
             "--grpc-address=127.0.0.1",
+            *TRITON_KEEPALIVE_FLAGS,
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             f"--log-verbose={self.log_verbose}",
             # We stop Triton after the gateway: nothing in flight is worth waiting 30 s for

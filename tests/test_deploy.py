@@ -16,7 +16,7 @@ import yaml
 
 from specsplit.cloud.cli import _parser
 from specsplit.cloud.metrics import GatewayMetrics
-from specsplit.cloud.triton import BundledTriton, TritonError
+from specsplit.cloud.triton import TRITON_KEEPALIVE_FLAGS, BundledTriton, TritonError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -87,6 +87,9 @@ def test_probes_are_grpc_health_on_the_serving_ports(rendered):
             assert c[probe]["grpc"]["port"] == port(c, "grpc"), (name, probe)
 
 
+TRITON_KEEPALIVE = [f.removeprefix("--").split("=")[0] for f in TRITON_KEEPALIVE_FLAGS]
+
+
 def test_triton_flags_match_its_service_and_the_bundled_binary(rendered):
     c = container(rendered, "specsplit-triton")
     assert c["command"][0] == "tritonserver"
@@ -95,6 +98,8 @@ def test_triton_flags_match_its_service_and_the_bundled_binary(rendered):
     assert int(flags["metrics-port"]) == port(c, "metrics")
     assert service_port(rendered, "specsplit-triton", "grpc")["port"] == port(c, "grpc")
     assert flags["load-model"] == "target"
+    # The gateway's pings are welcome, as under `serve`.
+    assert [f"--{k}={flags[k]}" for k in TRITON_KEEPALIVE] == list(TRITON_KEEPALIVE_FLAGS)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e["value"] for e in c["env"]}
     gw_args = _parser().parse_args(container(rendered, "specsplit-gateway")["command"][1:])
