@@ -33,20 +33,36 @@ class CostModel:
     curve), interpolated linearly between buckets. Medians, because one pass stalled by the OS
     must not swing the hints of every edge."""
 
-    def __init__(self, window: int = 15):
+    def __init__(self, window: int = 15, stale_after: int = 200):
         self.window = window
+        self.stale_after = stale_after  # passes without a sample of a bucket: re-measure it
         self.samples: dict[int, deque[float]] = {}
         self.ms: dict[int, float] = {}
+        self.passes = 0
+        self._seen: dict[int, int] = {}  # bucket -> the pass that last measured (or probed) it
 
     def observe(self, rows: int, ms: float) -> None:
         if rows < 1 or not math.isfinite(ms) or ms <= 0:
             return
-        bucket = min(BUCKETS, key=lambda b: abs(math.log2(b) - math.log2(rows)))
+        self.passes += 1
+        bucket = _bucket(rows)
+        self._seen[bucket] = self.passes
         if bucket != rows and len(self.ms) >= 2:
             ms *= self.cost(bucket) / max(self.cost(rows), 1e-9)
         window = self.samples.setdefault(bucket, deque(maxlen=self.window))
         window.append(ms)
         self.ms[bucket] = statistics.median(window)
+
+    def probe(self, rows: int) -> bool:
+        """True (once per ``stale_after`` passes) when the bucket of ``rows`` was measured but
+        not lately. A pass stalled by contention can make large blocks look costly; the hint
+        then asks for none, no pass of that size runs, and the stale median would forbid
+        drafting for good. A probe asks for one such pass, whose time corrects the curve."""
+        bucket = _bucket(rows)
+        if bucket not in self._seen or self.passes - self._seen[bucket] < self.stale_after:
+            return False
+        self._seen[bucket] = self.passes
+        return True
 
     def cost(self, rows: float) -> float:
         """Estimated ms for a pass of ``rows`` rows (0 when nothing was measured yet)."""
@@ -74,6 +90,10 @@ class CostModel:
                 self.observe(n, run(n))
 
 
+def _bucket(rows: float) -> int:
+    return min(BUCKETS, key=lambda b: abs(math.log2(b) - math.log2(rows)))
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round of k drafts commits on average (accepted drafts + the correction/bonus)."""
     alpha = min(max(alpha, 0.0), 0.999)
@@ -91,7 +111,8 @@ def block_hint(
 ) -> int:
     """The largest k in [0, k_max] whose batch throughput (tokens per ms) is within
     ``tolerance`` of the best k's: while passes cost about the same whatever their rows, that is
-    k_max, and measurement noise never shortens drafts."""
+    k_max, and measurement noise never shortens drafts. Now and then k_max instead, when the
+    pass that would take is stale in ``cost`` (CostModel.probe)."""
     if spec_sessions < 1 or not cost.ms:
         return k_max
     rates = []
@@ -100,7 +121,10 @@ def block_hint(
         ms = cost.cost(other_rows + spec_sessions * (k + 1))
         rates.append(tokens / ms if ms > 0 else math.inf)
     best = max(rates)
-    return max(k for k, rate in enumerate(rates) if rate >= (1 - tolerance) * best)
+    hint = max(k for k, rate in enumerate(rates) if rate >= (1 - tolerance) * best)
+    if hint < k_max and cost.probe(other_rows + spec_sessions * (k_max + 1)):
+        return k_max  # one pass re-measures what the curve forbids
+    return hint
 
 
 class Acceptance:

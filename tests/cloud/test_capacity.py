@@ -49,6 +49,27 @@ def test_hint_is_never_worse_than_no_speculation():
     assert rate(k) >= 0.95 * rate(0)
 
 
+def test_a_stale_stall_does_not_stop_drafting_for_good():
+    cost = CostModel(stale_after=50)
+    for r in (1, 4, 16, 64):
+        for _ in range(3):
+            cost.observe(r, 100.0)
+    for _ in range(15):  # contention: passes of more than one row took 50 times as long
+        for r in (4, 16, 64):
+            cost.observe(r, 5000.0)
+    hints = []
+    for _ in range(120):  # the hint forbids drafting, so only one-row passes run
+        hints.append(block_hint(cost, 1, 0, 0, alpha=0.7, k_max=16))
+        cost.observe(1 + hints[-1], 100.0 if hints[-1] == 0 else 90.0)
+    assert hints[0] == 0
+    # Probes came, one per stale period: the first one's quick pass began to mend the median.
+    assert 1 <= hints.count(16) <= 3
+    for _ in range(15):  # the stall is over: passes of any size are cheap again
+        for r in (4, 16, 64):
+            cost.observe(r, 100.0)
+    assert block_hint(cost, 1, 0, 0, alpha=0.7, k_max=16) == 16
+
+
 def test_acceptance_estimate_follows_rounds():
     acc = Acceptance()
     for _ in range(300):
