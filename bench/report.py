@@ -131,6 +131,10 @@ def config_table(records: list[dict], temperature: float, cls: str | None) -> li
     return lines
 
 
+def _runs(n: int) -> str:
+    return "one run" if n == 1 else f"{n} runs, the same output timed again"
+
+
 def _row(mode, k, cond, ratio, a, base) -> str:
     k_text = "≤ " + str(k) if mode in ("lock-step-adaptive", "cloud-led") else (k or "–")
     return (
@@ -269,7 +273,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         f"- {plan['prompts']} prompts (`bench/prompts.jsonl`, chat template), "
         f"{plan['max_new_tokens']} new tokens each"
         + (
-            f", {plan['samples']} seeds per prompt at temperature > 0 (greedy: one)"
+            f", {plan['samples']} seeds per prompt at temperature > 0"
+            f" (greedy: {_runs(plan.get('repeats', 1))})"
             if plan.get("samples", 1) > 1
             else ""
         )

@@ -64,9 +64,27 @@ class Plan:
     # Sampled (T > 0) generations per prompt and config, seeds crc32(prompt id) + 0, 1, ...: one
     # sampled path of 32 tokens is luck more than speed (greedy output needs only one).
     samples: int = 1
+    # Greedy generations per prompt and config: the same output, timed again (one 32-token run
+    # on this shared machine carries 10-20% timing noise).
+    repeats: int = 1
 
     def samples_of(self, cfg: Config) -> int:
-        return self.samples if cfg.temperature > 0 else 1
+        return self.samples if cfg.temperature > 0 else self.repeats
+
+    def schedule(self) -> list[tuple[Config, int]]:
+        """(config, sample) in run order: per condition and temperature, sample 0 of every mode,
+        then sample 1 of every mode, and so on. A slow spell of the machine then falls on all
+        the modes being compared, not on the three runs of one of them."""
+        groups: dict[tuple, list[Config]] = {}
+        for c in self.configs():
+            groups.setdefault((c.rtt_ms, c.link, c.temperature), []).append(c)
+        return [
+            (c, j)
+            for configs in groups.values()
+            for j in range(max(self.samples_of(c) for c in configs))
+            for c in configs
+            if j < self.samples_of(c)
+        ]
 
     @property
     def planned(self) -> int:
@@ -92,8 +110,8 @@ def load_prompts() -> list[dict]:
 
 def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
     """Full: 8 conditions x 2 temperatures x 6 modes x 2 prompts of 32 tokens, three seeds each
-    at T = 0.7, about 55 min on the 2-core CPU box; quick: 3 conditions x 2 temperatures x
-    4 modes x 1 prompt of 16, one seed."""
+    at T = 0.7 and two runs each greedy, about 70 min on the 2-core CPU box; quick: 3 conditions
+    x 2 temperatures x 4 modes x 1 prompt of 16, one seed."""
     prompts = load_prompts()
     code = [p for p in prompts if p["class"] == "code"]
     prose = [p for p in prompts if p["class"] == "prose"]
@@ -108,6 +126,7 @@ def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
         (code[0], prose[0]),
         max_new_tokens or 32,
         samples=3,
+        repeats=2,
     )
 
 
@@ -157,9 +176,8 @@ async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set
     )
     todo = [
         (c, p, j)
-        for c in plan.configs()
+        for c, j in plan.schedule()
         for p in plan.prompts
-        for j in range(plan.samples_of(c))
         if (c.key, p["id"], j) not in done
     ]
     columns = (

@@ -1,0 +1,27 @@
+"""What `make bench` runs, and in which order (bench/run.py's plan), without running it."""
+
+from collections import Counter
+
+from bench.run import make_plan
+
+
+def test_full_plan_runs_every_config_its_number_of_times():
+    plan = make_plan(quick=False, max_new_tokens=None)
+    runs = Counter(c for c, _ in plan.schedule())
+    assert set(runs) == set(plan.configs())
+    for cfg, n in runs.items():
+        assert n == (plan.samples if cfg.temperature > 0 else plan.repeats)
+    assert plan.samples >= 3 and plan.repeats >= 2
+    assert sum(runs.values()) * len(plan.prompts) == plan.planned
+
+
+def test_schedule_interleaves_the_modes_of_a_condition():
+    """Sample j of every mode before sample j + 1 of any: a slow spell hits them alike."""
+    plan = make_plan(quick=False, max_new_tokens=None)
+    schedule = plan.schedule()
+    for rtt, link, t in {(c.rtt_ms, c.link, c.temperature) for c in plan.configs()}:
+        order = [(c, j) for c, j in schedule if (c.rtt_ms, c.link, c.temperature) == (rtt, link, t)]
+        samples = [j for _, j in order]
+        assert samples == sorted(samples), (rtt, link, t)
+        first = {c.mode for c, j in order if j == 0}
+        assert {"cloud-only", "lock-step", "cloud-led"} <= first, (rtt, link, t, first)
