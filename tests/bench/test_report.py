@@ -102,9 +102,20 @@ def test_default_mode_targets_per_condition():
     fixed = rec(mode="lock-step", k=4, wall=2.0, link="")
     led_fast = rec(mode="cloud-led", k=8, wall=1.6, link="")  # 2.5x cloud-only, 1.25x best k
     lines = targets([cloud, fixed, led_fast], "code")
-    assert lines[-1].endswith("| 2.50 | 1.25 | met |")
+    assert lines[-1].endswith("| 2.50 | 1.25 | 1.25 | met |")
     led_slow = rec(mode="cloud-led", k=8, wall=2.5, link="")  # 1.6x cloud-only < 2.3 at RTT 0
     assert targets([cloud, fixed, led_slow], "code")[-1].endswith("| MISSED |")
+
+
+def test_default_against_best_k_run_by_run():
+    from bench.report_modes import targets
+
+    c = {"rtt": 20.0, "link": ""}
+    cloud = rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0, **c)
+    fixed = [rec(mode="lock-step", k=4, wall=2.0, sample=j, **c) for j in (0, 1)]
+    led = [rec(mode="cloud-led", k=8, wall=w, sample=j, **c) for j, w in ((0, 2.5), (1, 1.6))]
+    # Pooled: 20 tokens in 4.1 s against 4.0 s, 0.98x; run by run 0.80x and 1.25x.
+    assert targets([cloud, *fixed, *led], "code")[-1].endswith("| 0.98 | 0.80–1.25 | met |")
 
 
 def test_bytes_per_token_by_mode():
