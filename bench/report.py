@@ -306,14 +306,17 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         "",
         *_targets(best, meta.get("overhead")),
         "",
-        "## Default mode against cloud-only and the best fixed k, code prompts",
-        "",
-        *targets(records, "code"),
-        "",
-        "## Default mode against cloud-only and the best fixed k, prose prompts",
-        "",
-        *targets(records, "prose"),
-        "",
+        *(
+            line
+            for cls in ("code", "prose")
+            if any(r["class"] == cls for r in records)
+            for line in (
+                f"## Default mode against cloud-only and the best fixed k, {cls} prompts",
+                "",
+                *targets(records, cls),
+                "",
+            )
+        ),
         "## Bytes per generated token, by mode (protobuf payload, all conditions and prompts)",
         "",
         *bytes_table(records),
