@@ -49,15 +49,21 @@ def value(found: dict, name: str, **labels) -> float:
     return found.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-async def settled(service) -> dict:
-    """The samples once every stream's handler has finished its bookkeeping: a client can hear
-    its status a moment before the gateway's handler returns and counts the session."""
+def settled(read) -> dict:
+    """``read()``'s samples once every stream's handler has finished its bookkeeping (polled, for
+    up to 10 s): a client can hear its status a moment before the gateway's handler returns and
+    counts the session."""
     for _ in range(200):
-        m = samples(service.metrics.registry)
+        m = read()
         if value(m, "specsplit_sessions_active") == 0:
             break
-        await asyncio.sleep(0.05)
+        time.sleep(0.05)
     return m
+
+
+async def settled_registry(service) -> dict:
+    """``settled`` on a gateway of this event loop, which keeps running while we poll."""
+    return await asyncio.to_thread(settled, lambda: samples(service.metrics.registry))
 
 
 @contextlib.asynccontextmanager
@@ -100,7 +106,7 @@ def test_counters_follow_the_protocol_in_vllm_vocabulary():
     async def main():
         async with gateways(1, AcceptsTwo) as [(address, service)]:
             assert await stream(address, messages) == grpc.StatusCode.OK
-            return await settled(service)
+            return await settled_registry(service)
 
     m = asyncio.run(main())
     spec = "specsplit_spec_decode"
@@ -132,7 +138,7 @@ def test_errors_are_counted_by_status_code():
         async with gateways(1) as [(address, service)]:
             bad_version = await stream(address, [start(4, version=99)])
             bad_base = await stream(address, [start(4), draft(2, [5])])
-            return (bad_version, bad_base), await settled(service)
+            return (bad_version, bad_base), await settled_registry(service)
 
     codes, m = asyncio.run(main())
     assert codes == (grpc.StatusCode.FAILED_PRECONDITION,) * 2
@@ -161,7 +167,7 @@ def test_calls_refused_for_their_token_are_counted():
                         codes.append(grpc.StatusCode.OK)
                     except grpc.aio.AioRpcError as e:
                         codes.append(e.code())
-            return codes, await settled(service)
+            return codes, await settled_registry(service)
         finally:
             await server.stop(grace=None)
             await service.close()
@@ -200,7 +206,7 @@ def test_each_gateway_has_its_own_registry():
     async def main():
         async with gateways(2) as [(address, first), (_, second)]:
             await stream(address, [start(2), draft(3, [5])])
-            return await settled(first), samples(second.metrics.registry)
+            return await settled_registry(first), samples(second.metrics.registry)
 
     first, second = asyncio.run(main())
     assert value(first, "specsplit_spec_decode_num_drafts_total") == 1
@@ -244,16 +250,6 @@ def scrape(url: str) -> str:
         return r.read().decode()
 
 
-def scrape_settled(url: str) -> dict:
-    """Samples scraped once no stream is open (see ``settled``)."""
-    for _ in range(200):
-        m = samples(scrape(url))
-        if value(m, "specsplit_sessions_active") == 0:
-            break
-        time.sleep(0.05)
-    return m
-
-
 async def generate(address, drafter, prompt, mode, **cfg):
     async with SplitClient(address, drafter) as client:
         gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
@@ -279,7 +275,7 @@ def test_counters_equal_the_clients_stats_on_real_parts(tiny, tmp_path):
             for p, d, k, m in runs
         ]
         only = asyncio.run(generate(cloud.address, None, [5, 6], "cloud-only", max_new_tokens=5))
-        m = scrape_settled(f"http://127.0.0.1:{port}/metrics")
+        m = settled(lambda: samples(scrape(f"http://127.0.0.1:{port}/metrics")))
         triton = re.search(
             r"triton \S+ metrics on (http://127\.0\.0\.1:\d+/metrics)", cloud.log_path.read_text()
         )
