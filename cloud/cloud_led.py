@@ -109,9 +109,12 @@ class DraftPool:
         return best, tokens, [] if best.q is None else best.q[off : off + limit]
 
 
-async def cloud_led_rounds(service, session: Session, triton, it):
-    """Verdicts of a cloud-led session, one per target step, until generation ends."""
+async def cloud_led_rounds(service, session: Session, triton, it, first=None):
+    """Verdicts of a cloud-led session, one per target step, until generation ends; ``first``:
+    the Draft.lead that switched a lock-step session, verified by the first step."""
     pool = DraftPool()
+    if first is not None:
+        pool.add(first)
     refused: list[ProtocolError] = []
     stop = asyncio.Event()
 
@@ -126,6 +129,10 @@ async def cloud_led_rounds(service, session: Session, triton, it):
                 d = msg.draft
                 if session.finish is not Finish.NONE:
                     continue  # sent before the client heard the final verdict: not an error
+                if d.lead:
+                    raise ProtocolError(
+                        Code.INVALID_ARGUMENT, "Draft.lead is only valid in a lock-step session"
+                    )
                 session.check_draft(
                     d.base_len, d.tokens, len(d.q), exact_base=False, continues=d.continues
                 )

@@ -33,6 +33,7 @@ from specsplit.cloud.limits import (
     sampling_config,
     until_half_close,
 )
+from specsplit.cloud.lockstep import lockstep_rounds
 from specsplit.cloud.metrics import GatewayMetrics
 from specsplit.cloud.replicas import ReplicaSet, parse_urls
 from specsplit.cloud.security import Security, bearer_token
@@ -50,7 +51,7 @@ from specsplit.cloud.triton_client import (
     TritonSession,
     TritonUnavailable,
 )
-from specsplit.shared.acceptance import Mode, resolve_mode
+from specsplit.shared.acceptance import resolve_mode
 from specsplit.shared.protocol import (
     MODE_TO_PB,
     PB_TO_MODE,
@@ -175,7 +176,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         elif first.start.cloud_led:
             rounds = cloud_led_rounds(self, session, triton, it)
         else:
-            rounds = self._speculative(session, triton, it)
+            rounds = lockstep_rounds(self, session, triton, it)
         async for verdict in rounds:
             yield pb.ServerMessage(verdict=verdict)
         readers += [session.reader] if session.reader else []
@@ -247,28 +248,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             seed=session.seed,
             q_counts=True,
             cloud_led=cloud_led,
+            accepts_lead=True,
         )
-
-    async def _speculative(self, session: Session, triton: Lease, it):
-        idle_s = self.limits.idle_timeout_s
-        while (msg := await next_message(it, idle_s, "Draft or Finish")) is not None:
-            kind = msg.WhichOneof("msg")
-            if kind == "finish":
-                session.finish = Finish.CANCELLED
-                return
-            if kind != "draft":
-                raise ProtocolError(Code.FAILED_PRECONDITION, f"unexpected {kind} after Start")
-            t0 = time.perf_counter()
-            draft = msg.draft
-            session.check_draft(
-                draft.base_len, draft.tokens, len(draft.q), continues=draft.continues
-            )
-            q = self._parse_q(draft) if session.mode is Mode.REJECTION else None
-            verdict = await self._round(session, triton, list(draft.tokens), q, t0)
-            verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)
-            yield verdict
-            if session.finish is not Finish.NONE:
-                return
 
     async def _cloud_only(self, session: Session, triton: Lease, it):
         # Watch the client stream for Finish while the target generates alone.

@@ -128,6 +128,14 @@ CASES = {
         grpc.StatusCode.FAILED_PRECONDITION,
         "> committed_len",
     ),
+    "lead in a cloud-led session": (
+        [
+            start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_led=True),
+            pb.ClientMessage(draft=pb.Draft(round=1, base_len=3, tokens=[1], lead=True)),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "only valid in a lock-step session",
+    ),
     "cloud-led q not a distribution": (
         [
             start(sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=400), cloud_led=True),
@@ -180,6 +188,19 @@ def test_valid_exchange_shape(cloud):
     assert verdict.committed_len == 3 + verdict.accepted + 1
     assert verdict.timings.verify_ms > 0
     assert finished.target_forward_passes >= 1
+
+
+def test_a_lead_draft_turns_the_stream_cloud_led(cloud):
+    """Draft.lead: its verdict is a lock-step round's, then the cloud steps on without Drafts
+    (the client half-closed: it only listens) to the requested length."""
+    lead = pb.ClientMessage(draft=pb.Draft(round=1, base_len=3, tokens=[5, 6], lead=True))
+    out = exchange(cloud.address, [start(), lead])
+    assert out[0].started.accepts_lead
+    verdicts = [m.verdict for m in out if m.WhichOneof("msg") == "verdict"]
+    assert verdicts[0].round == 1 and verdicts[0].drafts_verified == 2
+    assert len(verdicts) > 1 and all(v.round == 0 for v in verdicts[1:])
+    assert verdicts[-1].finished and verdicts[-1].committed_len == 3 + 8
+    assert out[-1].finished.target_forward_passes == len(verdicts)
 
 
 def test_finish_ends_generation_early(cloud):
