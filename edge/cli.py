@@ -252,7 +252,8 @@ def _parser() -> argparse.ArgumentParser:
         "--session-mode",
         choices=SESSION_MODES,
         default="auto",
-        help="lock-step rounds, or cloud-led (the cloud never waits for drafts)",
+        help="lock-step rounds, cloud-led (the cloud never waits for drafts), or auto: "
+        "lock-step until its measurements say cloud-led is faster",
     )
     g.add_argument("--verification", choices=tuple(VERIFICATION), default="auto")
     g.add_argument("--mode", choices=MODES, default="split")

@@ -53,8 +53,10 @@ class GenerationConfig:
     follow_hint: bool = True
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
     # waiting and verifies whatever drafts arrived in time (DESIGN §7): never slower than
-    # cloud-only, whatever the RTT. "auto": cloud-led, except lock-step with a fixed k when a
-    # run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a cloud-led or
+    # cloud-only, whatever the RTT. "auto": lock-step with adaptive k, switching to cloud-led
+    # once its measurements say that is faster (edge/mode_switch.py: a round trip long next to
+    # the cloud's step, or a draft that predicts little); lock-step with a fixed k when a run
+    # must repeat exactly: follow_hint False, or a seed with temperature > 0 (a cloud-led or
     # adaptive run's blocks depend on timing; greedy output never does).
     session_mode: str = "auto"
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
@@ -88,12 +90,17 @@ class GenerationConfig:
         adaptive = not self.reproducible if self.adaptive is None else self.adaptive
         return adaptive and self.follow_hint
 
+    @property
+    def may_lead(self) -> bool:
+        """Lock-step rounds may switch to cloud-led (session mode auto, k adapting: a run that
+        must repeat exactly keeps lock-step with a fixed k)."""
+        return self.session_mode == "auto" and self.adapts
+
     def resolved_session_mode(self) -> str:
+        """How the stream starts: "cloud-led" or "lock-step" (which ``may_lead`` may switch)."""
         if self.session_mode not in SESSION_MODES:
             raise ValueError(f"session_mode must be one of {SESSION_MODES}")
-        if self.session_mode != "auto":
-            return self.session_mode
-        return "cloud-led" if self.follow_hint and not self.reproducible else "lock-step"
+        return "lock-step" if self.session_mode == "auto" else self.session_mode
 
 
 class SplitClient:

@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.drafting import draw_next, next_logits
+from specsplit.edge.drafting import Block, draw_next, next_logits
 from specsplit.edge.session import Session
 from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
@@ -89,7 +89,15 @@ class _Reach:
         return min(self.limit, round(self.lag) + 2 * min(self.k_max, hint, useful))
 
 
-async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[list[int]]:
+async def cloud_led_rounds(
+    s: Session,
+    started: pb.Started,
+    remaining: int | None = None,
+    rounds_before: int = 0,
+    lead: Block | None = None,
+) -> AsyncIterator[list[int]]:
+    """From Started, or from a lock-step session's Draft.lead (round ``rounds_before``, the
+    block ``lead``, sent from the committed prefix with ``remaining`` tokens to go)."""
     cfg, stats = s.cfg, s.stats
     k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
     reach = _Reach(k_max, started.limits.max_draft_tokens) if cfg.adapts else None
@@ -110,8 +118,12 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
     receiver = asyncio.create_task(receive())
     spec = _Speculation()
     sent: dict[int, tuple[int, list[int]]] = {}  # round -> (base_len, tokens)
-    round_no, paused, hint = 0, 0, k_max
-    remaining = started.max_new_tokens
+    if lead is not None:  # the speculation so far, sent already
+        spec.tokens, spec.q = list(lead.tokens), list(lead.q or [None] * len(lead.tokens))
+        spec.sent_to = len(s.committed) + len(lead.tokens)
+        sent[rounds_before] = (len(s.committed), list(lead.tokens))
+    round_no, paused, hint = rounds_before, 0, k_max
+    remaining = started.max_new_tokens if remaining is None else remaining
     t_prev = time.perf_counter()
     worker: Worker | None = None
     getter: asyncio.Future | None = None
@@ -173,7 +185,7 @@ async def cloud_led_rounds(s: Session, started: pb.Started) -> AsyncIterator[lis
         if worker is not None:
             await worker.join()
         receiver.cancel()
-        stats.drafts_sent += round_no
+        stats.drafts_sent += round_no - rounds_before
 
 
 async def _send_draft(s: Session, started, spec: _Speculation, round_no: int, rejection) -> None:

@@ -2,7 +2,10 @@
 
 While a verdict is in flight the next block is drafted for "all accepted, bonus = the draft's
 top token" and used when the verdict matches (DESIGN §4). k is chosen per round by
-``edge.adaptive.DraftLength`` unless the config fixes it.
+``edge.adaptive.DraftLength`` unless the config fixes it. In session mode ``auto`` the rounds
+also measure whether cloud-led would be faster (``edge.mode_switch``); once it would, the next
+Draft carries ``lead`` and the stream goes on as cloud-led rounds at once, that Draft the first
+of their speculation (the cloud starts stepping without waiting as soon as it reads it).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import time
 from collections.abc import AsyncIterator
 
 from specsplit.edge.adaptive import DraftLength
+from specsplit.edge.cloud_led import cloud_led_rounds
+from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.session import Session
 from specsplit.edge.worker import Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
@@ -20,6 +25,8 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
     cfg, stats = s.cfg, s.stats
     k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(k_max) if cfg.adapts else None
+    switch = LeadChoice(k_max) if cfg.may_lead and started.accepts_lead else None
+    t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle
     mode = started.verification
     remaining = started.max_new_tokens
     round_no = 0
@@ -38,10 +45,17 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
         else:
             block, draft_ms = await s.draft_off_loop(k)
         t1 = time.perf_counter()
-        draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens)
+        # Hand over with this block when cloud-led would be faster (and blocks remain after it).
+        lead = switch is not None and remaining > k + 1 and switch.should_lead(k)
+        draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens, lead=lead)
         if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
             draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)
         await s.send(pb.ClientMessage(draft=draft))
+        if lead:
+            stats.lead_round = round_no
+            async for chunk in cloud_led_rounds(s, started, remaining, round_no, block):
+                yield chunk
+            return
         # The next block's size is chosen now, before the verdict, so it can be drafted ahead.
         planned = chooser.choose(hint) if chooser else k_max
         k_next = max(0, min(planned, hint, remaining - (k + 1) - 1))
@@ -73,6 +87,10 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
             critical_ms = draft_ms if fresh else None  # a block drafted ahead hid its cost
             chooser.observe(k, v.accepted, v.timings.verify_ms, round_ms, critical_ms)
             stats.k_chosen.append(k)
+        if switch is not None:
+            cycle_ms = (t2 - t_prev) * 1e3
+            switch.observe(k, v.accepted, cycle_ms, v.timings.verify_ms, v.timings.server_ms)
+        t_prev = t2
         yield chunk
         if v.finished:
             return

@@ -42,6 +42,21 @@ async def _generate(port: int, rtt_ms: float, drafter, prompt, session_mode="clo
             return gen
 
 
+def port_of(cloud) -> int:
+    return int(cloud.address.rsplit(":", 1)[1])
+
+
+@pytest.fixture
+def lead_at_round_2(monkeypatch):
+    """Session mode auto hands over to cloud-led with its second Draft, whatever its
+    measurements say (and despite follow_hint False, which alone keeps auto lock-step)."""
+    from specsplit.edge.mode_switch import LeadChoice
+
+    auto = property(lambda cfg: cfg.session_mode == "auto")
+    monkeypatch.setattr(GenerationConfig, "may_lead", auto)
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: choice.idle_ms is not None)
+
+
 @pytest.fixture(scope="module")
 def target_greedy(tiny):
     return {tuple(p): reference_greedy(tiny.target, p, N_NEW) for p in PROMPTS}
@@ -66,6 +81,23 @@ def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft
             assert s.acceptance_rate < 0.5
 
 
+@pytest.mark.parametrize("rtt_ms", [0, 150])
+def test_greedy_auto_switching_mid_stream_equals_target_greedy(
+    cloud, tiny, target_greedy, lead_at_round_2, rtt_ms
+):
+    for draft in ("same", "unrelated"):
+        drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
+        for prompt in PROMPTS:
+            gen = asyncio.run(
+                _generate(port_of(cloud), rtt_ms, drafter, prompt, "auto", draft_tokens=4)
+            )
+            s = gen.stats
+            assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
+            assert s.lead_round == 2 and s.rounds > 2, s.summary()  # cloud-led steps followed
+            assert s.target_forward_passes == s.rounds
+            assert s.new_tokens == s.accepted + s.rounds
+
+
 @pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
 def test_sampled_cloud_led_completes(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.target_onnx)
@@ -77,7 +109,7 @@ def test_sampled_cloud_led_completes(cloud, tiny, verification):
         assert gen.stats.new_tokens == gen.stats.accepted + gen.stats.rounds
 
 
-def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny):
+def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, lead_at_round_2):
     port = int(cloud.address.rsplit(":", 1)[1])
     sampling = SamplingConfig(temperature=0.9)
 
@@ -94,7 +126,7 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny):
         assert len(want) == N_NEW
         for draft in ("same", "unrelated"):
             drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
-            for mode in ("lock-step", "cloud-led"):
+            for mode in ("lock-step", "cloud-led", "auto"):
                 for rtt_ms in (0, 150):
                     gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, mode, **cfg))
                     assert gen.token_ids == want, (prompt, draft, mode, rtt_ms)

@@ -1,0 +1,68 @@
+"""The lock-step -> cloud-led switch of session mode auto (edge/mode_switch.py), on measured
+rounds: where each mode wastes its time decides, not a fixed RTT threshold."""
+
+from __future__ import annotations
+
+import pytest
+
+from specsplit.edge.mode_switch import MARGIN, LeadChoice
+
+K = 8
+
+
+def measured(
+    rounds: int, accepted: int, verify_ms: float, rtt_ms: float, overhead_ms: float = 20.0
+) -> LeadChoice:
+    """Lock-step rounds of K drafts with ``accepted`` kept each, on a link of ``rtt_ms``."""
+    choice = LeadChoice(K)
+    for _ in range(rounds):
+        cycle = verify_ms + overhead_ms + rtt_ms
+        choice.observe(K, accepted, cycle, verify_ms, verify_ms + overhead_ms)
+    return choice
+
+
+def test_no_switch_before_a_round_was_measured():
+    choice = LeadChoice(K)
+    assert choice.rates(K) is None
+    assert not choice.should_lead(K)
+
+
+def test_cpu_cloud_on_a_lan_stays_lock_step():
+    """A 450 ms target pass next to a 10 ms link: lock-step idles little, while cloud-led
+    would spend a whole pass after each rejected block."""
+    assert not measured(4, accepted=4, verify_ms=450, rtt_ms=10).should_lead(K)
+
+
+def test_gpu_cloud_behind_a_mobile_link_switches_after_one_round():
+    """A 20 ms pass behind an 80 ms round trip: lock-step idles four passes per block."""
+    assert measured(1, accepted=4, verify_ms=20, rtt_ms=80).should_lead(K)
+
+
+@pytest.mark.parametrize("accepted", [2, 5, 8])
+def test_the_switch_comes_as_the_round_trip_grows(accepted):
+    """For a fixed draft quality there is one crossover: below it lock-step, above cloud-led."""
+    verdicts = [
+        measured(6, accepted, verify_ms=300, rtt_ms=rtt).should_lead(K)
+        for rtt in (0, 50, 100, 200, 400, 800, 1600)
+    ]
+    assert verdicts == sorted(verdicts), verdicts  # False ... False, True ... True
+    assert verdicts[-1], "a round trip of five passes always favours cloud-led"
+
+
+def test_a_draft_that_predicts_nothing_switches():
+    """Nothing accepted: lock-step is a cloud-only stream that also waits a round trip per
+    token; cloud-led at least streams at the cloud-only rate."""
+    lock_step, cloud_led = measured(6, accepted=0, verify_ms=300, rtt_ms=50).rates(K)
+    assert cloud_led > MARGIN * lock_step
+
+
+def test_a_better_draft_switches_sooner():
+    """The better the draft, the rarer the rejected blocks cloud-led pays a pass for."""
+
+    def crossover(accepted: int) -> float:
+        for rtt in range(0, 2000, 10):
+            if measured(6, accepted, verify_ms=300, rtt_ms=rtt).should_lead(K):
+                return rtt
+        return float("inf")
+
+    assert crossover(8) < crossover(3)
