@@ -136,7 +136,7 @@ def _runs(n: int) -> str:
 
 
 def _row(mode, k, cond, ratio, a, base) -> str:
-    k_text = "≤ " + str(k) if mode in ("lock-step-adaptive", "cloud-led") else (k or "–")
+    k_text = "≤ " + str(k) if mode in ("lock-step-adaptive", "cloud-led", "auto") else (k or "–")
     return (
         f"| {mode} | {k_text} | {cond} | {ratio} "
         f"| {a['tok_s']:.2f} | {_fmt(a['tok_s'] / base if base else None)} "
@@ -279,8 +279,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
             else ""
         )
         + f"; fixed k ∈ {list(plan['ks'])} (lock-step),"
-        f" adaptive k ≤ {plan.get('k_max', '–')} (lock-step-adaptive, cloud-led), temperature ∈ "
-        f"{list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms"
+        f" adaptive k ≤ {plan.get('k_max', '–')} (lock-step-adaptive, cloud-led, auto),"
+        f" temperature ∈ {list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms"
         + (", and the LTE-like link." if plan.get("lte") else "."),
         "- RTT is emulated by an asyncio TCP proxy between edge and gateway that holds each chunk"
         " RTT/2 in each direction (bench/proxy.py); the LTE-like link adds ± 10 ms jitter (bytes"
@@ -289,7 +289,10 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         " CPU rows map onto a GPU cloud with the same ratio (a 20 ms step at 50 ms RTT is 2.5).",
         "- Modes: cloud-only (the target alone, streamed); lock-step with a fixed k; lock-step"
         " with adaptive k (edge/adaptive.py); cloud-led with adaptive speculation (the cloud"
-        " never waits for drafts, DESIGN §7).",
+        " never waits for drafts, DESIGN §7); auto, the default: lock-step with adaptive k that"
+        " hands over to cloud-led once its measurements say that is faster (edge/mode_switch.py)."
+        " The bench gives every run a seed so that the modes sample the same paths; auto and"
+        " cloud-led run as they do without one (adaptive).",
         "- tok/s = generated tokens / wall time seen at the edge, over all prompts of a row;"
         " ITL = time between successive tokens reaching the client (tokens committed together"
         " count 0); bytes are protobuf payload sizes (no HTTP/2 framing); ideal tok/s follows"

@@ -34,12 +34,13 @@ console = Console(stderr=True)
 
 
 LTE = {"rtt_ms": 50.0, "jitter_ms": 10.0, "up_bps": 5e6, "down_bps": 20e6}  # a phone on LTE
-SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led")
+SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led", "auto")
 
 
 @dataclass(frozen=True)
 class Config:
-    # cloud-only, edge-only, lock-step (fixed k), lock-step-adaptive / cloud-led (k <= k)
+    # cloud-only, edge-only, lock-step (fixed k), lock-step-adaptive / cloud-led / auto (k <= k;
+    # auto: the default session mode, lock-step until it measures cloud-led to be faster)
     mode: str
     k: int  # 0 for cloud-only / edge-only; the fixed k, or the adaptive modes' maximum
     temperature: float
@@ -101,6 +102,7 @@ class Plan:
                 out += [Config("lock-step", k, t, rtt, link) for k in self.ks]
                 out.append(Config("lock-step-adaptive", self.k_max, t, rtt, link))
                 out.append(Config("cloud-led", self.k_max, t, rtt, link))
+                out.append(Config("auto", self.k_max, t, rtt, link))
         return out
 
 
@@ -109,9 +111,9 @@ def load_prompts() -> list[dict]:
 
 
 def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
-    """Full: 8 conditions x 2 temperatures x 6 modes x 2 prompts of 32 tokens, three seeds each
-    at T = 0.7 and two runs each greedy, about 65 min on the 2-core CPU box; quick: 3 conditions
-    x 2 temperatures x 4 modes x 1 prompt of 16, one seed."""
+    """Full: 8 conditions x 2 temperatures x 7 modes x 2 prompts of 32 tokens, three seeds each
+    at T = 0.7 and three runs each greedy, about 90 min on the 2-core CPU box; quick: 3 conditions
+    x 2 temperatures x 5 modes x 1 prompt of 16, one seed."""
     prompts = load_prompts()
     code = [p for p in prompts if p["class"] == "code"]
     prose = [p for p in prompts if p["class"] == "prose"]
@@ -126,7 +128,7 @@ def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
         (code[0], prose[0]),
         max_new_tokens or 32,
         samples=3,
-        repeats=2,
+        repeats=3,
     )
 
 
@@ -138,7 +140,8 @@ async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed
         seed=seed,
         draft_tokens=max(cfg.k, 1),
         adaptive=cfg.mode != "lock-step",
-        session_mode="cloud-led" if cfg.mode == "cloud-led" else "lock-step",
+        # auto and cloud-led: as with no seed (adaptive); the seed keeps runs comparable
+        session_mode=cfg.mode if cfg.mode in ("cloud-led", "auto") else "lock-step",
     )
     mode = "split" if split else cfg.mode
     async with SplitClient(None if cfg.mode == "edge-only" else address, drafter) as client:

@@ -107,6 +107,18 @@ def test_default_mode_targets_per_condition():
     assert targets([cloud, fixed, led_slow], "code")[-1].endswith("| MISSED |")
 
 
+def test_auto_is_the_default_where_the_run_has_it():
+    from bench.report_modes import targets
+
+    cloud = rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0, link="")
+    fixed = rec(mode="lock-step", k=4, wall=2.0, link="")
+    led = rec(mode="cloud-led", k=8, wall=1.6, link="")  # 1.25x best k
+    auto = rec(mode="auto", k=8, wall=2.0, link="")  # 1.00x best k
+    lines = targets([cloud, fixed, led, auto], "code")
+    assert lines[0].startswith("Default = auto ")
+    assert lines[-1].endswith("| 2.00 | 1.00 | 1.00 | MISSED |")  # RTT 0 greedy code < 2.3
+
+
 def test_default_against_best_k_run_by_run():
     from bench.report_modes import targets
 
