@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import statistics
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -66,6 +68,7 @@ log = logging.getLogger(__name__)
 
 
 _STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
+STEPS_KEPT = 64  # target passes behind Started.step_ms
 
 
 class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
@@ -86,6 +89,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.limits = limits or Limits()
         self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
         self.active = 0
+        self.steps: deque[float] = deque(maxlen=STEPS_KEPT)  # recent target passes (ms)
         self._closing: set[asyncio.Task] = set()
         self.health_task: asyncio.Task | None = None
 
@@ -158,6 +162,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         first = await next_message(it, self.limits.start_timeout_s, "Start")
         if first is None:
             return
+        t_start = time.perf_counter()
         if first.WhichOneof("msg") != "start":
             raise ProtocolError(Code.FAILED_PRECONDITION, "the first message must be Start")
         if first.start.cloud_only and first.start.cloud_led:
@@ -170,7 +175,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         await triton.start(
             session.prompt, session.sampling, session.mode, session.seed, speculative
         )
-        yield pb.ServerMessage(started=self._started(session, first.start.cloud_led))
+        started = self._started(session, first.start.cloud_led)
+        started.setup_ms = (time.perf_counter() - t_start) * 1e3
+        yield pb.ServerMessage(started=started)
         if first.start.cloud_only:
             rounds = self._cloud_only(session, triton, it)
         elif first.start.cloud_led:
@@ -249,6 +256,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             q_counts=True,
             cloud_led=cloud_led,
             accepts_lead=True,
+            step_ms=statistics.median(self.steps) if self.steps else 0.0,
         )
 
     async def _cloud_only(self, session: Session, triton: Lease, it):
@@ -313,6 +321,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         # A lost session or a failed replica re-opens from the committed prefix in there.
         reply = await triton.verify(session.committed, tokens, q)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
+        self.steps.append(reply.verify_ms)
         return pb.Verdict(
             accepted=commit.accepted,
             token=commit.token or 0,

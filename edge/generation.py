@@ -24,6 +24,7 @@ class GenerationStats:
     drafts_sent: int = 0  # cloud-led: Drafts sent
     drafts_dropped: int = 0  # cloud-led: Drafts the cloud dropped as stale (never verified)
     lead_round: int = 0  # auto: the lock-step round whose Draft switched to cloud-led (0: none)
+    start_rtt_ms: float | None = None  # Start to Started, minus the server's part of it
     finish: str = ""
     seed: int | None = None  # the seed in force (the server's pick when none was given)
     draft_ms: list[float] = field(default_factory=list)  # per round, drafting on the edge

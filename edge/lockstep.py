@@ -25,7 +25,9 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
     cfg, stats = s.cfg, s.stats
     k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(k_max) if cfg.adapts else None
-    switch = LeadChoice(k_max) if cfg.may_lead and started.accepts_lead else None
+    may_lead = cfg.may_lead and started.accepts_lead
+    switch = LeadChoice(k_max, cfg.sampling.greedy) if may_lead else None
+    lead_now = may_lead and LeadChoice.lead_at_start(stats.start_rtt_ms, started.step_ms)
     t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle
     mode = started.verification
     remaining = started.max_new_tokens
@@ -46,7 +48,7 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
             block, draft_ms = await s.draft_off_loop(k)
         t1 = time.perf_counter()
         # Hand over with this block when cloud-led would be faster (and blocks remain after it).
-        lead = switch is not None and remaining > k + 1 and switch.should_lead(k)
+        lead = switch is not None and remaining > k + 1 and (lead_now or switch.should_lead(k))
         draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens, lead=lead)
         if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
             draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)

@@ -10,15 +10,23 @@ measures all three:
 - Cloud-led never idles the target, but after a rejected block (probability 1 - P, P = every
   draft accepted) the edge hears of the correction only a round trip later, so the steps that
   start meanwhile verify nothing and make one token each: ceil(I / V1) of them (V1: a one-row
-  pass), more when the edge's guess of those tokens is wrong (each holds with the acceptance of a
-  first draft position, alpha_1). A cycle takes V + (1 - P) * n * V1 for E + (1 - P) * n tokens.
+  pass), more when the edge's guess of those tokens is wrong. A guess holds with the acceptance
+  of a first draft position, alpha_1, when greedy; when sampling, the cloud draws those tokens
+  with the shared numbers (shared/coupling.py), which agree with the edge's draws with
+  probability about (1 - TV) / (1 + TV) = alpha_1 / (2 - alpha_1), below alpha_1. With n such
+  steps per rejected block, a cycle takes V + (1 - P) * n * V1 for E + (1 - P) * n tokens.
 
-The session switches once the cloud-led rate beats the lock-step rate by MARGIN (the switch is one
-way: a stream never goes back). Both rates come from the same measurements the adaptive draft
-length uses (edge/adaptive.py), plus the idle and the server's per-step overhead, so a GPU cloud
-(a 20 ms step) behind a mobile link switches after its first round, and a CPU cloud on a LAN
-stays lock-step. With a draft that predicts nothing (alpha near 0) lock-step is a slow cloud-only
-and the cloud-led rate is the cloud-only rate (its drafting pauses), so it switches too.
+The session switches once the cloud-led rate beats the lock-step rate by MARGIN, measured over
+MIN_ROUNDS rounds (the switch is one way: a stream never goes back). Both rates come from the
+same measurements the adaptive draft length uses (edge/adaptive.py), plus the idle and the
+server's per-step overhead. So a CPU cloud on a LAN stays lock-step, and a draft that predicts
+nothing (alpha near 0) switches: lock-step is then a slow cloud-only, and the cloud-led rate is
+the cloud-only rate (its drafting pauses).
+
+Where the round trip measured at Start is already LEAD_AT_START target steps (Started.step_ms),
+the first Draft leads: every lock-step round there idles the target for twice what it computes
+(a GPU cloud, a 20 ms step, behind any mobile link), and the rounds it would take to measure
+that cost more than a wrong guess of cloud-led could.
 """
 
 from __future__ import annotations
@@ -29,7 +37,12 @@ import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
 
-MARGIN = 1.05  # the switch cannot be undone: only for a clear gain
+MARGIN = 1.05  # the switch cannot be undone: only for a clear gain ...
+MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the prior)
+# Lead with the first Draft when the round trip measured at Start is this many target steps: then
+# lock-step idles the target at least as long per block as it computes, and cloud-led was faster
+# in every condition of the bench from RTT / step 1.85 on (code and prose, greedy and sampled).
+LEAD_AT_START = 2.0
 EMA = 0.3
 
 
@@ -40,10 +53,12 @@ def _ema(old: float | None, new: float) -> float:
 class LeadChoice:
     """Measures lock-step rounds; ``should_lead`` says when cloud-led would be faster."""
 
-    def __init__(self, k_max: int) -> None:
+    def __init__(self, k_max: int, greedy: bool) -> None:
         self.lengths = DraftLength(k_max)  # acceptance per position, pass cost by rows
+        self.greedy = greedy
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass
         self.overhead_ms: float = 0.0  # per step: at the gateway, minus the pass
+        self.rounds = 0
 
     def observe(
         self, k: int, accepted: int, cycle_ms: float, verify_ms: float, server_ms: float
@@ -51,13 +66,15 @@ class LeadChoice:
         """One lock-step round of k drafts: ``cycle_ms`` from the previous verdict (or Started)
         to this one, ``verify_ms`` its target pass and ``server_ms`` its time at the gateway."""
         self.lengths.observe(k, accepted, verify_ms)
+        self.rounds += 1
         self.idle_ms = _ema(self.idle_ms, max(0.0, cycle_ms - verify_ms))
         self.overhead_ms = _ema(self.overhead_ms, max(0.0, server_ms - verify_ms))
 
     def rates(self, k: int) -> tuple[float, float] | None:
-        """(lock-step, cloud-led) expected tokens per ms at block size k; None before a round."""
+        """(lock-step, cloud-led) expected tokens per ms at block size k; None before
+        MIN_ROUNDS rounds."""
         lengths = self.lengths
-        if self.idle_ms is None or not lengths.verify_ms:
+        if self.rounds < MIN_ROUNDS or self.idle_ms is None or not lengths.verify_ms:
             return None
         alphas = lengths.alphas()
         expected = float(lengths.expected_tokens()[k])
@@ -67,9 +84,18 @@ class LeadChoice:
         step = verify + self.overhead_ms
         one_row = lengths.verify_cost(1) + self.overhead_ms
         started = max(1, math.ceil(self.idle_ms / max(one_row, 1e-3)))
-        idle_steps = (1 - all_kept) * started / max(float(alphas[0]), 1e-3)
+        first = float(alphas[0])
+        guessed = first if self.greedy else first / (2 - first)  # the edge's guess holds
+        idle_steps = (1 - all_kept) * started / max(guessed, 1e-3)
         cloud_led = (expected + idle_steps) / max(step + idle_steps * one_row, 1e-3)
         return lock_step, cloud_led
+
+    @staticmethod
+    def lead_at_start(rtt_ms: float | None, step_ms: float) -> bool:
+        """Before any round: Start's round trip (Started.setup_ms taken out; on a cold channel
+        it also holds the connection's setup, which errs towards cloud-led, never slower than
+        cloud-only) against the server's recent step (Started.step_ms, 0: unknown)."""
+        return rtt_ms is not None and step_ms > 0 and rtt_ms >= LEAD_AT_START * step_ms
 
     def should_lead(self, k: int) -> bool:
         rates = self.rates(k)

@@ -110,6 +110,7 @@ class Session:
             cloud_only=cloud_only,
             cloud_led=led_asked,
         )
+        t_sent = time.perf_counter()
         await self.send(pb.ClientMessage(start=start))
         # Draft the first block (the draft's own prefill included) while the cloud prefills;
         # a sampled draft needs the seed first, which Started brings when we sent none.
@@ -118,6 +119,9 @@ class Session:
         early_draft = Worker(self._draft_stoppable, k_first) if early else None
         try:
             started = await self.recv("started")
+            # The round trip (and, on a cold channel, its setup): the server reports its part.
+            rtt_ms = (time.perf_counter() - t_sent) * 1e3 - started.setup_ms
+            self.stats.start_rtt_ms = max(0.0, rtt_ms)
             self.reached = True
             self.seed = self.stats.seed = started.seed
             cloud_led = led_asked and started.cloud_led  # an older server runs lock-step

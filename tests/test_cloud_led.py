@@ -31,9 +31,8 @@ N_NEW = 24
 async def _generate(port: int, rtt_ms: float, drafter, prompt, session_mode="cloud-led", **cfg):
     # follow_hint=False: the tiny target's cost model asks for k = 0 (its pass cost is all
     # lm_head rows); these tests are about verifying drafts
-    config = GenerationConfig(
-        max_new_tokens=N_NEW, session_mode=session_mode, follow_hint=False, **cfg
-    )
+    cfg.setdefault("follow_hint", False)
+    config = GenerationConfig(max_new_tokens=N_NEW, session_mode=session_mode, **cfg)
     async with DelayProxy(port, rtt_ms) as proxy:
         client = SplitClient(f"127.0.0.1:{proxy.port}", drafter)
         async with client:
@@ -55,6 +54,7 @@ def lead_at_round_2(monkeypatch):
     auto = property(lambda cfg: cfg.session_mode == "auto")
     monkeypatch.setattr(GenerationConfig, "may_lead", auto)
     monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: choice.idle_ms is not None)
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,24 @@ def test_greedy_auto_switching_mid_stream_equals_target_greedy(
             s = gen.stats
             assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
             assert s.lead_round == 2 and s.rounds > 2, s.summary()  # cloud-led steps followed
+            assert s.start_rtt_ms is not None and s.start_rtt_ms >= 0.9 * rtt_ms
             assert s.target_forward_passes == s.rounds
             assert s.new_tokens == s.accepted + s.rounds
+
+
+def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
+    cloud, tiny, target_greedy
+):
+    """Unforced: the tiny target's step is a few ms, so a 150 ms link is dozens of steps; a
+    LAN is not. (follow_hint: the default; the tiny target's hint of k = 0 then empties later
+    blocks, but the first is drafted before any hint.)"""
+    drafter = OnnxDrafter(tiny.target_onnx)
+    prompt = PROMPTS[0]
+    warm = asyncio.run(_generate(port_of(cloud), 0, drafter, prompt, "lock-step"))
+    assert warm.token_ids == target_greedy[tuple(prompt)]  # the gateway has measured steps now
+    gen = asyncio.run(_generate(port_of(cloud), 150, drafter, prompt, "auto", follow_hint=True))
+    assert gen.token_ids == target_greedy[tuple(prompt)]
+    assert gen.stats.lead_round == 1 and gen.stats.accepted > 0, gen.stats.summary()
 
 
 @pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])

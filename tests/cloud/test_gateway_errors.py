@@ -203,6 +203,12 @@ def test_a_lead_draft_turns_the_stream_cloud_led(cloud):
     assert out[-1].finished.target_forward_passes == len(verdicts)
 
 
+def test_started_reports_its_setup_and_the_recent_step(cloud):
+    exchange(cloud.address, [start(), draft(3, [5, 6])])  # at least one target pass
+    started = exchange(cloud.address, [start(), draft(3, [5])])[0].started
+    assert started.setup_ms > 0 and started.step_ms > 0
+
+
 def test_finish_ends_generation_early(cloud):
     out = exchange(cloud.address, [start(), draft(3, [5]), pb.ClientMessage(finish=pb.Finish())])
     assert out[-1].finished.reason == pb.FINISH_REASON_CANCELLED

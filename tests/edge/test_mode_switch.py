@@ -5,26 +5,35 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.edge.mode_switch import MARGIN, LeadChoice
+from specsplit.edge.mode_switch import MARGIN, MIN_ROUNDS, LeadChoice
 
 K = 8
 
 
 def measured(
-    rounds: int, accepted: int, verify_ms: float, rtt_ms: float, overhead_ms: float = 20.0
+    rounds: int,
+    accepted: int | list[int],
+    verify_ms: float,
+    rtt_ms: float,
+    overhead_ms: float = 20.0,
+    greedy: bool = True,
 ) -> LeadChoice:
-    """Lock-step rounds of K drafts with ``accepted`` kept each, on a link of ``rtt_ms``."""
-    choice = LeadChoice(K)
-    for _ in range(rounds):
+    """Lock-step rounds of K drafts with ``accepted`` kept each (a list: in turn), on a link of
+    ``rtt_ms``."""
+    choice = LeadChoice(K, greedy)
+    kept = accepted if isinstance(accepted, list) else [accepted]
+    for i in range(rounds):
         cycle = verify_ms + overhead_ms + rtt_ms
-        choice.observe(K, accepted, cycle, verify_ms, verify_ms + overhead_ms)
+        choice.observe(K, kept[i % len(kept)], cycle, verify_ms, verify_ms + overhead_ms)
     return choice
 
 
-def test_no_switch_before_a_round_was_measured():
-    choice = LeadChoice(K)
+def test_no_switch_before_two_rounds_were_measured():
+    """However slow the link, one round (its acceptance mostly the prior) is not enough."""
+    choice = LeadChoice(K, greedy=True)
     assert choice.rates(K) is None
-    assert not choice.should_lead(K)
+    assert not measured(MIN_ROUNDS - 1, accepted=8, verify_ms=20, rtt_ms=1000).should_lead(K)
+    assert measured(MIN_ROUNDS, accepted=8, verify_ms=20, rtt_ms=1000).should_lead(K)
 
 
 def test_cpu_cloud_on_a_lan_stays_lock_step():
@@ -33,9 +42,9 @@ def test_cpu_cloud_on_a_lan_stays_lock_step():
     assert not measured(4, accepted=4, verify_ms=450, rtt_ms=10).should_lead(K)
 
 
-def test_gpu_cloud_behind_a_mobile_link_switches_after_one_round():
+def test_gpu_cloud_behind_a_mobile_link_switches_as_soon_as_allowed():
     """A 20 ms pass behind an 80 ms round trip: lock-step idles four passes per block."""
-    assert measured(1, accepted=4, verify_ms=20, rtt_ms=80).should_lead(K)
+    assert measured(MIN_ROUNDS, accepted=4, verify_ms=20, rtt_ms=80).should_lead(K)
 
 
 @pytest.mark.parametrize("accepted", [2, 5, 8])
@@ -66,3 +75,31 @@ def test_a_better_draft_switches_sooner():
         return float("inf")
 
     assert crossover(8) < crossover(3)
+
+
+def test_sampling_switches_later_than_greedy():
+    """Sampled, the cloud's own draws match the edge's guesses less often than greedy argmaxes
+    (the coupling's (1 - TV) / (1 + TV)), so each rejected block costs cloud-led more steps."""
+
+    def crossover(greedy: bool) -> float:
+        for rtt in range(0, 2000, 10):
+            choice = measured(6, [0, 3, 8], verify_ms=300, rtt_ms=rtt, greedy=greedy)
+            if choice.should_lead(K):
+                return rtt
+        return float("inf")
+
+    assert crossover(True) < crossover(False) < float("inf")
+
+
+@pytest.mark.parametrize(
+    ("rtt_ms", "step_ms", "lead"),
+    [(1000, 400, True), (800, 400, True), (500, 400, False), (80, 20, True), (30, 20, False)],
+)
+def test_a_round_trip_of_two_steps_at_start_leads_with_the_first_draft(rtt_ms, step_ms, lead):
+    assert LeadChoice.lead_at_start(rtt_ms, step_ms) is lead
+
+
+def test_no_lead_at_start_without_the_servers_step():
+    """An older server sends no step_ms (0), a failed measurement gives None."""
+    assert not LeadChoice.lead_at_start(5000, 0.0)
+    assert not LeadChoice.lead_at_start(None, 400)
