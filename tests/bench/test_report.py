@@ -107,6 +107,18 @@ def test_default_mode_targets_per_condition():
     assert targets([cloud, fixed, led_slow], "code")[-1].endswith("| MISSED |")
 
 
+def test_the_rtt0_greedy_bar_of_2_3_is_codes_alone():
+    """Prose at RTT 0 greedy needs 1x cloud-only, like every other condition."""
+    from bench.report_modes import targets
+
+    cloud = rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0, link="")
+    fixed = rec(mode="lock-step", k=4, wall=2.0, link="")
+    auto = rec(mode="auto", k=8, wall=2.0, link="")  # 2x cloud-only, 1x best k
+    assert targets([cloud, fixed, auto], "code")[-1].endswith("| MISSED |")
+    prose = [dict(r, **{"class": "prose"}) for r in (cloud, fixed, auto)]
+    assert targets(prose, "prose")[-1].endswith("| met |")
+
+
 def test_auto_is_the_default_where_the_run_has_it():
     from bench.report_modes import targets
 
