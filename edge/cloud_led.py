@@ -70,20 +70,24 @@ class _Reach:
 
     MIN_REACH = 0.1
 
-    def __init__(self, k_max: int, limit: int):
+    def __init__(
+        self, k_max: int, limit: int, acceptance: DraftLength | None = None, sent: int = 0
+    ):
         self.k_max, self.limit = k_max, limit
-        self.acceptance = DraftLength(k_max)
+        self.acceptance = acceptance or DraftLength(k_max)
         self.lag: float = 0.0
+        self.sent = sent  # tokens sent before the first verdict (a lead block): reach past them
 
     def observe(self, offset: int | None, verified: int, accepted: int) -> None:
         if offset is not None:
             self.lag = 0.8 * self.lag + 0.2 * offset
         if verified:
             self.acceptance.observe(verified, accepted, 0.0)
+        self.sent = 0
 
     def want(self, hint: int) -> int:
         if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
-            return min(self.limit, self.k_max, hint)
+            return min(self.limit, self.sent + min(self.k_max, hint))
         reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
         useful = 1 + int(np.argmin(reach)) if not reach.all() else self.k_max
         return min(self.limit, round(self.lag) + 2 * min(self.k_max, hint, useful))
@@ -95,12 +99,17 @@ async def cloud_led_rounds(
     remaining: int | None = None,
     rounds_before: int = 0,
     lead: Block | None = None,
+    acceptance: DraftLength | None = None,
 ) -> AsyncIterator[list[int]]:
     """From Started, or from a lock-step session's Draft.lead (round ``rounds_before``, the
-    block ``lead``, sent from the committed prefix with ``remaining`` tokens to go)."""
+    block ``lead``, sent from the committed prefix with ``remaining`` tokens to go) with the
+    acceptance its rounds measured: the speculation then reaches past the lead block while the
+    cloud verifies it, instead of waiting for that verdict."""
     cfg, stats = s.cfg, s.stats
     k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
-    reach = _Reach(k_max, started.limits.max_draft_tokens) if cfg.adapts else None
+    limit = started.limits.max_draft_tokens
+    sent_first = len(lead.tokens) if lead is not None else 0
+    reach = _Reach(k_max, limit, acceptance, sent_first) if cfg.adapts else None
     send_every = max(1, k_max // 2)
     rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
     verdicts: asyncio.Queue = asyncio.Queue()

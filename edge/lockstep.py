@@ -55,7 +55,8 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
         await s.send(pb.ClientMessage(draft=draft))
         if lead:
             stats.lead_round = round_no
-            async for chunk in cloud_led_rounds(s, started, remaining, round_no, block):
+            measured = switch.lengths  # acceptance per position so far
+            async for chunk in cloud_led_rounds(s, started, remaining, round_no, block, measured):
                 yield chunk
             return
         # The next block's size is chosen now, before the verdict, so it can be drafted ahead.

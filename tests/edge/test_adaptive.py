@@ -64,3 +64,20 @@ def test_cloud_led_reach_covers_the_lag_plus_useful_positions():
     for _ in range(50):
         poor.observe(offset=0, verified=4, accepted=0)  # nothing ever accepted
     assert poor.want(hint=8) == 2
+
+
+def test_cloud_led_reach_after_a_lead_block_extends_past_it():
+    """A lock-step session's Draft.lead already holds a block the cloud is verifying: the
+    speculation must reach past it meanwhile, not wait for its verdict."""
+    from specsplit.edge.adaptive import DraftLength
+    from specsplit.edge.cloud_led import _Reach
+
+    assert _Reach(k_max=8, limit=16, sent=8).want(hint=8) == 16  # nothing measured yet
+    assert _Reach(k_max=8, limit=12, sent=8).want(hint=8) == 12  # never past the server's limit
+    measured = DraftLength(8)
+    for _ in range(3):
+        measured.observe(8, 8, 300.0)  # lock-step rounds: every draft accepted
+    assert _Reach(k_max=8, limit=16, acceptance=measured, sent=8).want(hint=8) == 16
+    reach = _Reach(k_max=8, limit=16, sent=8)
+    reach.observe(offset=0, verified=0, accepted=0)  # a verdict came: the usual rule from now
+    assert reach.want(hint=8) == 8
