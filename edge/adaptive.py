@@ -18,7 +18,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
 EMA = 0.3  # weight of the newest timing
 
 
-def _ema(old: float | None, new: float) -> float:
+def ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - EMA) * old + EMA * new
 
 
@@ -45,11 +45,11 @@ class DraftLength:
         seen = min(accepted + 1, k)  # positions the target judged: accepted ones + first rejected
         self.tried[:seen] += 1
         self.kept[:accepted] += 1
-        self.verify_ms[k + 1] = _ema(self.verify_ms.get(k + 1), verify_ms)
+        self.verify_ms[k + 1] = ema(self.verify_ms.get(k + 1), verify_ms)
         if round_ms is not None:
-            self.fixed_ms = _ema(self.fixed_ms, max(0.0, round_ms - verify_ms))
+            self.fixed_ms = ema(self.fixed_ms, max(0.0, round_ms - verify_ms))
         if draft_ms is not None and k > 0:
-            self.draft_ms = _ema(self.draft_ms, draft_ms / k)
+            self.draft_ms = ema(self.draft_ms, draft_ms / k)
 
     def alphas(self) -> np.ndarray:
         """[k_max] acceptance per position, each shrunk towards the overall rate."""

@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from specsplit.edge.adaptive import DraftLength
+from specsplit.edge.adaptive import DraftLength, ema
 
 MARGIN = 1.05  # the switch cannot be undone: only for a clear gain ...
 MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the prior)
@@ -43,11 +43,6 @@ MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the 
 # lock-step idles the target at least as long per block as it computes, and cloud-led was faster
 # in every condition of the bench from RTT / step 1.85 on (code and prose, greedy and sampled).
 LEAD_AT_START = 2.0
-EMA = 0.3
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA) * old + EMA * new
 
 
 class LeadChoice:
@@ -67,14 +62,14 @@ class LeadChoice:
         to this one, ``verify_ms`` its target pass and ``server_ms`` its time at the gateway."""
         self.lengths.observe(k, accepted, verify_ms)
         self.rounds += 1
-        self.idle_ms = _ema(self.idle_ms, max(0.0, cycle_ms - verify_ms))
-        self.overhead_ms = _ema(self.overhead_ms, max(0.0, server_ms - verify_ms))
+        self.idle_ms = ema(self.idle_ms, max(0.0, cycle_ms - verify_ms))
+        self.overhead_ms = ema(self.overhead_ms, max(0.0, server_ms - verify_ms))
 
     def rates(self, k: int) -> tuple[float, float] | None:
         """(lock-step, cloud-led) expected tokens per ms at block size k; None before
         MIN_ROUNDS rounds."""
         lengths = self.lengths
-        if self.rounds < MIN_ROUNDS or self.idle_ms is None or not lengths.verify_ms:
+        if self.rounds < MIN_ROUNDS or self.idle_ms is None:  # idle_ms: set by every round
             return None
         alphas = lengths.alphas()
         expected = float(lengths.expected_tokens()[k])
