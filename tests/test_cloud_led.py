@@ -66,7 +66,7 @@ def target_greedy(tiny):
 @pytest.mark.parametrize("draft", ["same", "unrelated"])
 def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft, rtt_ms):
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
-    port = int(cloud.address.rsplit(":", 1)[1])
+    port = port_of(cloud)
     for prompt in PROMPTS:
         gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, draft_tokens=4))
         s = gen.stats
@@ -102,9 +102,9 @@ def test_greedy_auto_switching_mid_stream_equals_target_greedy(
 def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     cloud, tiny, target_greedy
 ):
-    """Unforced: the tiny target's step is a few ms, so a 150 ms link is dozens of steps; a
-    LAN is not. (follow_hint: the default; the tiny target's hint of k = 0 then empties later
-    blocks, but the first is drafted before any hint.)"""
+    """Unforced: the tiny target's step is a few ms, so a 150 ms link is dozens of steps.
+    (follow_hint: the default; the tiny target's hint of k = 0 then empties later blocks, but
+    the first is drafted before any hint.)"""
     drafter = OnnxDrafter(tiny.target_onnx)
     prompt = PROMPTS[0]
     warm = asyncio.run(_generate(port_of(cloud), 0, drafter, prompt, "lock-step"))
@@ -117,7 +117,7 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
 @pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
 def test_sampled_cloud_led_completes(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.target_onnx)
-    port = int(cloud.address.rsplit(":", 1)[1])
+    port = port_of(cloud)
     cfg = dict(sampling=SamplingConfig(temperature=0.9), verification=verification, seed=3)
     for rtt_ms in (0, 150):
         gen = asyncio.run(_generate(port, rtt_ms, drafter, PROMPTS[0], **cfg))
@@ -126,7 +126,7 @@ def test_sampled_cloud_led_completes(cloud, tiny, verification):
 
 
 def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, lead_at_round_2):
-    port = int(cloud.address.rsplit(":", 1)[1])
+    port = port_of(cloud)
     sampling = SamplingConfig(temperature=0.9)
 
     async def cloud_only(prompt):
