@@ -24,6 +24,7 @@ import grpc
 from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
+from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.retry import DEFAULT_WINDOW_S, HANDSHAKE_HINT, Backoff, refused_at_handshake
 from specsplit.edge.session import Session as _Session
 from specsplit.edge.session import SpecsplitError  # noqa: F401 (re-export)
@@ -127,6 +128,10 @@ class SplitClient:
             self._channel = open_channel(address, tls=tls, **tls_files)
         self._stub = pb_grpc.SpeculativeDecodingStub(self._channel) if self._channel else None
         self._reached = False  # a Started came back once: the link and its credentials work
+        # (round trip, target step) from the last Started of a server that serves auto: a
+        # generation in auto starts cloud-led when it is LEAD_AT_START steps (edge.mode_switch),
+        # instead of spending its first round trip to learn it again; every Started renews it.
+        self._link: tuple[float, float] | None = None
 
     async def __aenter__(self) -> SplitClient:
         return self
@@ -184,8 +189,9 @@ class SplitClient:
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
             # A re-open sends the seed the first Started reported: sampling resumes unchanged.
+            lead = self._link is not None and LeadChoice.lead_at_start(*self._link)
             session = _Session(
-                self._stub, self.drafter, cfg, stats, committed, remaining, stats.seed
+                self._stub, self.drafter, cfg, stats, committed, remaining, stats.seed, lead
             )
             session.metadata = self.metadata
             try:
@@ -208,4 +214,5 @@ class SplitClient:
                 await asyncio.sleep(pause)
             finally:
                 self._reached |= session.reached
+                self._link = session.link or self._link
                 await session.close()

@@ -24,6 +24,9 @@ class GenerationStats:
     drafts_sent: int = 0  # cloud-led: Drafts sent
     drafts_dropped: int = 0  # cloud-led: Drafts the cloud dropped as stale (never verified)
     lead_round: int = 0  # auto: the lock-step round whose Draft switched to cloud-led (0: none)
+    # auto: Start asked for cloud-led, as the client's previous Started measured a round trip of
+    # LEAD_AT_START target steps (edge.mode_switch)
+    led_at_start: bool = False
     start_rtt_ms: float | None = None  # Start to Started, minus the server's part of it
     finish: str = ""
     seed: int | None = None  # the seed in force (the server's pick when none was given)

@@ -26,7 +26,10 @@ the cloud-only rate (its drafting pauses).
 Where the round trip measured at Start is already LEAD_AT_START target steps (Started.step_ms),
 the first Draft leads: every lock-step round there idles the target for twice what it computes
 (a GPU cloud, a 20 ms step, behind any mobile link), and the rounds it would take to measure
-that cost more than a wrong guess of cloud-led could.
+that cost more than a wrong guess of cloud-led could. A client's next generation need not
+measure it again: ``SplitClient`` keeps the round trip and step of its last Started and, where
+``lead_at_start`` holds for them, starts the stream cloud-led (``Start.cloud_led``), so the
+target steps straight after prefill instead of a round trip later, when the lead Draft arrives.
 """
 
 from __future__ import annotations

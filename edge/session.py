@@ -52,8 +52,12 @@ class Session:
         committed,
         max_new_tokens,
         seed,
+        lead_at_start: bool = False,
     ):
         self.stub, self.drafter, self.cfg, self.stats = stub, drafter, cfg, stats
+        # auto: start cloud-led (the client's previous Started measured a long round trip)
+        self.lead_at_start = lead_at_start
+        self.link: tuple[float, float] | None = None  # (round trip, step) of a lead-aware Started
         self.committed = list(committed)  # own copy: the caller extends its list from chunks
         self.max_new_tokens = max_new_tokens
         self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
@@ -99,7 +103,9 @@ class Session:
         from specsplit.edge.lockstep import lockstep_rounds
 
         cfg = self.cfg
-        led_asked = not cloud_only and cfg.resolved_session_mode() == "cloud-led"
+        led_asked = not cloud_only and (
+            cfg.resolved_session_mode() == "cloud-led" or (cfg.may_lead and self.lead_at_start)
+        )
         self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
             protocol_version=PROTOCOL_VERSION,
@@ -122,9 +128,12 @@ class Session:
             # The round trip (and, on a cold channel, its setup): the server reports its part.
             rtt_ms = (time.perf_counter() - t_sent) * 1e3 - started.setup_ms
             self.stats.start_rtt_ms = max(0.0, rtt_ms)
+            if started.accepts_lead:  # a server that serves auto: the link, for the next Start
+                self.link = (self.stats.start_rtt_ms, started.step_ms)
             self.reached = True
             self.seed = self.stats.seed = started.seed
             cloud_led = led_asked and started.cloud_led  # an older server runs lock-step
+            self.stats.led_at_start = cloud_led and cfg.session_mode == "auto"
             lockstep = not (cloud_only or cloud_led)
             first = await early_draft.result() if early_draft is not None else None
             if lockstep and first is None:

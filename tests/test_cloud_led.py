@@ -102,16 +102,33 @@ def test_greedy_auto_switching_mid_stream_equals_target_greedy(
 def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     cloud, tiny, target_greedy
 ):
-    """Unforced: the tiny target's step is a few ms, so a 150 ms link is dozens of steps.
+    """Unforced: the tiny target's step is a few ms, so a 150 ms link is dozens of steps; the
+    client's next generation then starts cloud-led.
     (follow_hint: the default; the tiny target's hint of k = 0 then empties later blocks, but
     the first is drafted before any hint.)"""
     drafter = OnnxDrafter(tiny.target_onnx)
     prompt = PROMPTS[0]
     warm = asyncio.run(_generate(port_of(cloud), 0, drafter, prompt, "lock-step"))
     assert warm.token_ids == target_greedy[tuple(prompt)]  # the gateway has measured steps now
-    gen = asyncio.run(_generate(port_of(cloud), 150, drafter, prompt, "auto", follow_hint=True))
+
+    async def twice():  # one client, as an app keeps it: the second remembers the link
+        link = DelayProxy(port_of(cloud), 150)
+        async with link as proxy, SplitClient(f"127.0.0.1:{proxy.port}", drafter) as client:
+            gens = []
+            for _ in range(2):
+                gens.append(client.generate(prompt, GenerationConfig(max_new_tokens=N_NEW)))
+                await gens[-1].collect()
+            return gens
+
+    gen, again = asyncio.run(twice())
     assert gen.token_ids == target_greedy[tuple(prompt)]
     assert gen.stats.lead_round == 1 and gen.stats.accepted > 0, gen.stats.summary()
+    assert not gen.stats.led_at_start
+    # The next generation starts cloud-led (Start.cloud_led): no lock-step round at all.
+    assert again.token_ids == target_greedy[tuple(prompt)]
+    s = again.stats
+    assert s.led_at_start and s.lead_round == 0, s.summary()
+    assert s.target_forward_passes == s.rounds and s.new_tokens == s.accepted + s.rounds
 
 
 @pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])

@@ -103,3 +103,45 @@ def test_no_lead_at_start_without_the_servers_step():
     """An older server sends no step_ms (0), a failed measurement gives None."""
     assert not LeadChoice.lead_at_start(5000, 0.0)
     assert not LeadChoice.lead_at_start(None, 400)
+
+
+@pytest.mark.parametrize("long_link", [True, False])
+def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
+    monkeypatch, long_link
+):
+    """The client keeps the round trip and step of its last Started: where they call for a
+    lead, its next auto generation asks for cloud-led in Start (a fake gateway: instant steps,
+    every token 7; the rule is forced, the measured pair is what it is given)."""
+    import asyncio
+
+    from specsplit.edge.client import GenerationConfig, SplitClient
+    from tests.fakes import SlowDrafter, gateway
+
+    asked: list[tuple[float | None, float]] = []
+
+    def rule(rtt_ms, step_ms):
+        asked.append((rtt_ms, step_ms))
+        return long_link
+
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(rule))
+
+    async def three():
+        async with gateway() as address, SplitClient(address, SlowDrafter(0.001)) as client:
+            gens = []
+            for mode in ("auto", "lock-step", "auto"):
+                gen = client.generate(
+                    [1, 2, 3], GenerationConfig(max_new_tokens=8, session_mode=mode)
+                )
+                await gen.collect()
+                gens.append(gen)
+            return gens
+
+    first, locked, second = asyncio.run(three())
+    for gen in (first, locked, second):
+        assert gen.token_ids == [7] * 8 and gen.stats.finish == "LENGTH"
+    assert not first.stats.led_at_start  # nothing measured yet: lock-step ...
+    assert first.stats.lead_round == (1 if long_link else 0)  # ... leading once Started told
+    assert not locked.stats.led_at_start and locked.stats.lead_round == 0  # a forced mode
+    assert second.stats.led_at_start is long_link and second.stats.lead_round == 0
+    rtt_ms, step_ms = asked[-1]  # the last pair the client kept: a real round trip and step
+    assert rtt_ms is not None and rtt_ms >= 0 and step_ms == 1.0  # FakeTriton's verify_ms
