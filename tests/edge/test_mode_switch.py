@@ -3,9 +3,13 @@ rounds: where each mode wastes its time decides, not a fixed RTT threshold."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.mode_switch import MARGIN, MIN_ROUNDS, LeadChoice
+from tests.fakes import SlowDrafter, gateway
 
 K = 8
 
@@ -112,11 +116,6 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
     """The client keeps the round trip and step of its last Started: where they call for a
     lead, its next auto generation asks for cloud-led in Start (a fake gateway: instant steps,
     every token 7; the rule is forced, the measured pair is what it is given)."""
-    import asyncio
-
-    from specsplit.edge.client import GenerationConfig, SplitClient
-    from tests.fakes import SlowDrafter, gateway
-
     asked: list[tuple[float | None, float]] = []
 
     def rule(rtt_ms, step_ms):
