@@ -129,7 +129,8 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
             gens = []
             for mode in ("auto", "lock-step", "auto"):
                 gen = client.generate(
-                    [1, 2, 3], GenerationConfig(max_new_tokens=8, session_mode=mode)
+                    [1, 2, 3],
+                    GenerationConfig(max_new_tokens=16, draft_tokens=4, session_mode=mode),
                 )
                 await gen.collect()
                 gens.append(gen)
@@ -137,7 +138,7 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
 
     first, locked, second = asyncio.run(three())
     for gen in (first, locked, second):
-        assert gen.token_ids == [7] * 8 and gen.stats.finish == "LENGTH"
+        assert gen.token_ids == [7] * 16 and gen.stats.finish == "LENGTH"
     assert not first.stats.led_at_start  # nothing measured yet: lock-step ...
     assert first.stats.lead_round == (1 if long_link else 0)  # ... leading once Started told
     assert not locked.stats.led_at_start and locked.stats.lead_round == 0  # a forced mode
