@@ -90,6 +90,36 @@ class CostModel:
                 self.observe(n, run(n))
 
 
+class StepTime:
+    """Started.step_ms: what one target step costs a session that verifies no draft, lately.
+
+    Each pass's time is scaled along the measured cost curve from its rows to the rows it would
+    have had with this session's part cut to one row (the other sessions' rows stay: under load
+    a step is the batch's pass), and the median of the recent passes is reported. Where rows cost
+    time (a CPU target: a pass over 9 rows took ~1.8x one over 1 here) the plain median of
+    lock-step passes overstated the step a lead would take; where they are nearly free (a GPU
+    target) the two agree. Until the curve has two sizes the scale is 1 (errs towards lock-step).
+    """
+
+    def __init__(self, kept: int = 64):
+        self.costs = CostModel()
+        self.recent: deque[float] = deque(maxlen=kept)
+
+    def observe(self, rows: int, batch_rows: int, ms: float) -> None:
+        """A pass that verified ``rows`` rows of one session within ``batch_rows`` in all (0:
+        not batched)."""
+        batch = max(rows, batch_rows)
+        self.costs.observe(batch, ms)
+        scale = 1.0
+        if len(self.costs.ms) >= 2:  # one size seen says nothing about what rows cost
+            scale = min(1.0, self.costs.cost(batch - rows + 1) / self.costs.cost(batch))
+        self.recent.append(ms * scale)
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
+
+
 def _bucket(rows: float) -> int:
     return min(BUCKETS, key=lambda b: abs(math.log2(b) - math.log2(rows)))
 

@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import statistics
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -22,6 +20,7 @@ import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2_grpc
 
 from specsplit.cloud.admission import Admission, Refused, Ticket, client_key
+from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.cloud_led import cloud_led_rounds
 from specsplit.cloud.health import update_health, watch_health
 from specsplit.cloud.identity import ModelIdentity
@@ -89,7 +88,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.limits = limits or Limits()
         self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
         self.active = 0
-        self.steps: deque[float] = deque(maxlen=STEPS_KEPT)  # recent target passes (ms)
+        self.steps = StepTime(STEPS_KEPT)  # recent target passes, as one-row steps
         self._closing: set[asyncio.Task] = set()
         self.health_task: asyncio.Task | None = None
 
@@ -256,7 +255,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             q_counts=True,
             cloud_led=cloud_led,
             accepts_lead=True,
-            step_ms=statistics.median(self.steps) if self.steps else 0.0,
+            step_ms=self.steps.ms,
         )
 
     async def _cloud_only(self, session: Session, triton: Lease, it):
@@ -321,7 +320,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         # A lost session or a failed replica re-opens from the committed prefix in there.
         reply = await triton.verify(session.committed, tokens, q)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
-        self.steps.append(reply.verify_ms)
+        self.steps.observe(len(tokens), reply.batch_rows, reply.verify_ms)
         return pb.Verdict(
             accepted=commit.accepted,
             token=commit.token or 0,

@@ -2,7 +2,13 @@
 
 import pytest
 
-from specsplit.cloud.capacity import Acceptance, CostModel, block_hint, expected_tokens
+from specsplit.cloud.capacity import (
+    Acceptance,
+    CostModel,
+    StepTime,
+    block_hint,
+    expected_tokens,
+)
 
 
 def curve(fn, rows=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> CostModel:
@@ -78,3 +84,42 @@ def test_acceptance_estimate_follows_rounds():
     for _ in range(300):
         acc.observe(4, 4)
     assert acc.rate > 0.95
+
+
+def test_step_time_reports_plain_passes_until_rows_have_a_cost():
+    steps = StepTime()
+    assert steps.ms == 0.0  # nothing measured: Started.step_ms says "unknown"
+    for ms in (500.0, 520.0, 540.0):
+        steps.observe(9, 0, ms)
+    assert steps.ms == 520.0  # one size seen: no scale (errs towards lock-step)
+
+
+def test_step_time_scales_passes_to_one_row_where_rows_cost_time():
+    """A CPU target: 9 rows cost 1.8x one row. Lock-step passes of 9 rows then count as the
+    one-row step a lead would take, not as the 9-row pass."""
+    steps = StepTime()
+    for _ in range(5):
+        steps.observe(1, 0, 290.0)
+        steps.observe(9, 0, 522.0)
+    for _ in range(20):
+        steps.observe(9, 0, 522.0)
+    assert steps.ms == pytest.approx(290.0, rel=0.02)
+
+
+def test_step_time_keeps_the_other_sessions_rows_of_a_batch():
+    """Under load a step is the batch's pass: only this session's part shrinks to one row."""
+    steps = StepTime()
+    for rows in (1, 16, 32):
+        steps.observe(rows, 0, 100.0 + 10.0 * rows)  # 10 ms per row past a 100 ms floor
+    steps.recent.clear()
+    steps.observe(9, 32, 420.0)  # 23 rows of others + 9 of ours
+    assert steps.ms == pytest.approx(100.0 + 10.0 * 24, rel=0.02)  # the pass over 24 rows
+
+
+def test_step_time_is_the_pass_itself_where_rows_are_free():
+    """A GPU target reads every weight once whatever the rows: the scale stays near 1."""
+    steps = StepTime()
+    for rows in (1, 4, 9):
+        for _ in range(3):
+            steps.observe(rows, 0, 20.0)
+    assert steps.ms == pytest.approx(20.0)
