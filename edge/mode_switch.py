@@ -24,7 +24,7 @@ nothing (alpha near 0) switches: lock-step is then a slow cloud-only, and the cl
 the cloud-only rate (its drafting pauses).
 
 Where the round trip measured at Start is already LEAD_AT_START target steps (Started.step_ms),
-the first Draft leads: every lock-step round there idles the target for twice what it computes
+the first Draft leads: every lock-step round there idles the target for longer than it computes
 (a GPU cloud, a 20 ms step, behind any mobile link), and the rounds it would take to measure
 that cost more than a wrong guess of cloud-led could. A client's next generation need not
 measure it again: ``SplitClient`` keeps the round trip and step of its last Started and, where
@@ -42,10 +42,11 @@ from specsplit.edge.adaptive import DraftLength, ema
 
 MARGIN = 1.05  # the switch cannot be undone: only for a clear gain ...
 MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the prior)
-# Lead with the first Draft when the round trip measured at Start is this many target steps: then
-# lock-step idles the target at least as long per block as it computes, and cloud-led was faster
-# in every condition of the bench from RTT / step 1.85 on (code and prose, greedy and sampled).
-LEAD_AT_START = 2.0
+# Lead with the first Draft when the round trip measured at Start is this many one-row target
+# steps (Started.step_ms): lock-step then idles the target longer per block than a step takes.
+# Over three full bench runs cloud-led beat lock-step adaptive in 11 of 12 cells at RTT / step
+# 1.75-1.88 (1.12-1.29x, the 12th 0.99x) and was mixed at 0.70-0.76 (0.84-1.26x).
+LEAD_AT_START = 1.5
 
 
 class LeadChoice:
