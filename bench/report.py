@@ -23,6 +23,7 @@ from bench.report_modes import (
     speed_plots,
     step_ms,
     targets,
+    timing_noise,
 )
 
 TARGETS = {"speedup": 1.5, "passes_per_token": 0.35, "overhead_ms": 3.0}
@@ -246,6 +247,7 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     headline, best = _headline(records)
     same, total = identical_to_target(records)
     plan = meta["plan"]
+    noise = timing_noise(records)
     md = [
         f"# specsplit benchmarks{' (quick subset)' if 'quick' in name else ''}",
         "",
@@ -320,6 +322,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
                 "",
             )
         ),
+        *noise,
+        *([""] if noise else []),
         "## Bytes per generated token, by mode (protobuf payload, all conditions and prompts)",
         "",
         *bytes_table(records),

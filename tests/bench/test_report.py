@@ -148,3 +148,21 @@ def test_bytes_per_token_by_mode():
     lines = bytes_table([rec(mode="cloud-led", k=8, link=""), rec(mode="lock-step", link="")])
     assert "| lock-step | 0 | 4 | 10 | 0.75 |" in lines
     assert "| cloud-led | 0 | 4 | 10 | 0.75 |" in lines
+
+
+def test_timing_noise_compares_auto_with_lock_step_adaptive_where_auto_never_led():
+    from bench.report_modes import timing_noise
+
+    def cell(rtt, auto_wall, lead_round=0):
+        c = {"rtt": rtt, "link": ""}
+        return [
+            rec(mode="lock-step-adaptive", k=8, wall=2.0, **c),
+            rec(mode="auto", k=8, wall=auto_wall, lead_round=lead_round, **c),
+        ]
+
+    records = [*cell(0.0, 2.0), *cell(20.0, 2.5), *cell(500.0, 1.0, lead_round=1)]
+    (line,) = timing_noise(records)
+    assert "in 2 greedy cells" in line  # the cell where auto led is not the same configuration
+    assert "ranged 0.80–1.00" in line and "in 1 of them" in line
+    sampled = [dict(r, temperature=0.7) for r in records]  # other seeds: other blocks
+    assert timing_noise(sampled) == []
