@@ -24,7 +24,7 @@ import grpc
 from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
-from specsplit.edge.mode_switch import LeadChoice
+from specsplit.edge.mode_switch import LeadChoice, Link
 from specsplit.edge.retry import DEFAULT_WINDOW_S, HANDSHAKE_HINT, Backoff, refused_at_handshake
 from specsplit.edge.session import Session as _Session
 from specsplit.edge.session import SpecsplitError  # noqa: F401 (re-export)
@@ -118,6 +118,7 @@ class SplitClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         token: str | None = None,
+        link: Link | None = None,
     ):
         self.address = address
         self.drafter = drafter
@@ -131,7 +132,16 @@ class SplitClient:
         # (round trip, target step) from the last Started of a server that serves auto: a
         # generation in auto starts cloud-led when it is LEAD_AT_START steps (edge.mode_switch),
         # instead of spending its first round trip to learn it again; every Started renews it.
-        self._link: tuple[float, float] | None = None
+        self._link: Link | None = link
+
+    @property
+    def link(self) -> Link | None:
+        """The round trip and server step the last Started reported (None before one came
+        back from a server that serves auto). An app that opens a client per request can pass
+        it to the next one (``SplitClient(..., link=old.link)``): that client's first auto
+        generation then starts as this one's last Started says, cloud-led where the link is
+        slow, without spending a round trip to learn it again."""
+        return self._link
 
     async def __aenter__(self) -> SplitClient:
         return self

@@ -35,6 +35,7 @@ target steps straight after prefill instead of a round trip later, when the lead
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,15 @@ MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the 
 # Over three full bench runs cloud-led beat lock-step adaptive in 11 of 12 cells at RTT / step
 # 1.75-1.88 (1.12-1.29x, the 12th 0.99x) and was mixed at 0.70-0.76 (0.84-1.26x).
 LEAD_AT_START = 1.5
+
+
+class Link(NamedTuple):
+    """What a Started told a client about its link (``SplitClient.link``): the round trip in ms
+    (Start to Started, Started.setup_ms taken out; None when it could not be measured) and the
+    server's recent one-row step in ms (Started.step_ms, 0: unknown)."""
+
+    rtt_ms: float | None
+    step_ms: float
 
 
 class LeadChoice:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specsplit.edge.drafting import Block, Drafter, guess_next, propose
+from specsplit.edge.mode_switch import Link
 from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.protocol import MODE_TO_PB, PROTOCOL_VERSION, pb, sampling_params
@@ -57,7 +58,7 @@ class Session:
         self.stub, self.drafter, self.cfg, self.stats = stub, drafter, cfg, stats
         # auto: start cloud-led (the client's previous Started measured a long round trip)
         self.lead_at_start = lead_at_start
-        self.link: tuple[float, float] | None = None  # (round trip, step) of a lead-aware Started
+        self.link: Link | None = None  # the round trip and step of a lead-aware Started
         self.committed = list(committed)  # own copy: the caller extends its list from chunks
         self.max_new_tokens = max_new_tokens
         self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
@@ -129,7 +130,7 @@ class Session:
             rtt_ms = (time.perf_counter() - t_sent) * 1e3 - started.setup_ms
             self.stats.start_rtt_ms = max(0.0, rtt_ms)
             if started.accepts_lead:  # a server that serves auto: the link, for the next Start
-                self.link = (self.stats.start_rtt_ms, started.step_ms)
+                self.link = Link(self.stats.start_rtt_ms, started.step_ms)
             self.reached = True
             self.seed = self.stats.seed = started.seed
             cloud_led = led_asked and started.cloud_led  # an older server runs lock-step

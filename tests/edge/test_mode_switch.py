@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.mode_switch import MARGIN, MIN_ROUNDS, LeadChoice
+from specsplit.edge.mode_switch import MARGIN, MIN_ROUNDS, LeadChoice, Link
 from tests.fakes import SlowDrafter, gateway
 
 K = 8
@@ -148,3 +148,26 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
     assert (second.stats.lead_round == 0) is long_link  # cloud-led from Start, or measuring
     rtt_ms, step_ms = asked[-1]  # the last pair the client kept: a real round trip and step
     assert rtt_ms is not None and rtt_ms >= 0 and step_ms == 1.0  # FakeTriton's verify_ms
+
+
+def test_a_new_client_given_an_old_ones_link_starts_as_that_link_says(monkeypatch):
+    """``SplitClient(link=old.link)``: a client opened per request keeps what the last one
+    measured, so its first auto generation already starts cloud-led on a slow link."""
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: True))
+
+    async def two():
+        cfg = GenerationConfig(max_new_tokens=16, draft_tokens=4)  # auto: the default
+        async with gateway() as address:
+            async with SplitClient(address, SlowDrafter(0.001)) as old:
+                first = old.generate([1, 2, 3], cfg)
+                await first.collect()
+                link = old.link
+            async with SplitClient(address, SlowDrafter(0.001), link=link) as new:
+                second = new.generate([1, 2, 3], cfg)
+                await second.collect()
+            return first, link, second
+
+    first, link, second = asyncio.run(two())
+    assert not first.stats.led_at_start  # a fresh client: nothing measured yet
+    assert isinstance(link, Link) and link.rtt_ms >= 0  # (a fresh gateway: step_ms 0 then)
+    assert second.stats.led_at_start and second.token_ids == [7] * 16
