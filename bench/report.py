@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.report_modes import (
+    ADAPTIVE,
     SPLIT,
     bytes_table,
     condition,
@@ -24,6 +25,7 @@ from bench.report_modes import (
     step_ms,
     targets,
     timing_noise,
+    warm_table,
 )
 
 TARGETS = {"speedup": 1.5, "passes_per_token": 0.35, "overhead_ms": 3.0}
@@ -137,7 +139,7 @@ def _runs(n: int) -> str:
 
 
 def _row(mode, k, cond, ratio, a, base) -> str:
-    k_text = "≤ " + str(k) if mode in ("lock-step-adaptive", "cloud-led", "auto") else (k or "–")
+    k_text = "≤ " + str(k) if mode in ADAPTIVE else (k or "–")
     return (
         f"| {mode} | {k_text} | {cond} | {ratio} "
         f"| {a['tok_s']:.2f} | {_fmt(a['tok_s'] / base if base else None)} "
@@ -247,7 +249,7 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     headline, best = _headline(records)
     same, total = identical_to_target(records)
     plan = meta["plan"]
-    noise = timing_noise(records)
+    noise, warm = timing_noise(records), warm_table(records)
     md = [
         f"# specsplit benchmarks{' (quick subset)' if 'quick' in name else ''}",
         "",
@@ -281,7 +283,7 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
             else ""
         )
         + f"; fixed k ∈ {list(plan['ks'])} (lock-step),"
-        f" adaptive k ≤ {plan.get('k_max', '–')} (lock-step-adaptive, cloud-led, auto),"
+        f" adaptive k ≤ {plan.get('k_max', '–')} ({', '.join(ADAPTIVE)}),"
         f" temperature ∈ {list(plan['temperatures'])}, RTT ∈ {list(plan['rtts_ms'])} ms"
         + (", and the LTE-like link." if plan.get("lte") else "."),
         "- RTT is emulated by an asyncio TCP proxy between edge and gateway that holds each chunk"
@@ -292,9 +294,11 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         "- Modes: cloud-only (the target alone, streamed); lock-step with a fixed k; lock-step"
         " with adaptive k (edge/adaptive.py); cloud-led with adaptive speculation (the cloud"
         " never waits for drafts, DESIGN §7); auto, the default: lock-step with adaptive k that"
-        " hands over to cloud-led once its measurements say that is faster (edge/mode_switch.py)."
-        " The bench gives every run a seed so that the modes sample the same paths; auto and"
-        " cloud-led run as they do without one (adaptive).",
+        " hands over to cloud-led once its measurements say that is faster (edge/mode_switch.py);"
+        " auto-warm, auto on a new client given the link its cell's auto run just measured"
+        " (`SplitClient(link=...)`, an app's second generation on). Every run is on a new client"
+        " and channel. The bench gives every run a seed so that the modes sample the same paths;"
+        " auto, auto-warm and cloud-led run as they do without one (adaptive).",
         "- tok/s = generated tokens / wall time seen at the edge, over all prompts of a row;"
         " ITL = time between successive tokens reaching the client (tokens committed together"
         " count 0); bytes are protobuf payload sizes (no HTTP/2 framing); ideal tok/s follows"
@@ -324,6 +328,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         ),
         *noise,
         *([""] if noise else []),
+        *warm,
+        *([""] if warm else []),
         "## Bytes per generated token, by mode (protobuf payload, all conditions and prompts)",
         "",
         *bytes_table(records),

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-SPLIT = ("lock-step", "lock-step-adaptive", "cloud-led", "auto")
+SPLIT = ("lock-step", "lock-step-adaptive", "cloud-led", "auto", "auto-warm")
+ADAPTIVE = ("lock-step-adaptive", "cloud-led", "auto", "auto-warm")  # k is their maximum
 # What GenerationConfig() runs: session mode auto (lock-step with adaptive k until it measures
 # cloud-led to be faster). Runs before auto had its own rows ran cloud-led by default.
 DEFAULT_MODE = "auto"
@@ -131,6 +132,42 @@ def timing_noise(records: list[dict]) -> list[str]:
         f" {1 - TARGET_VS_BEST_K:.2f} or more away from 1 in {off} of them. Near the"
         f" {TARGET_VS_BEST_K:g} bar, a cell's met or MISSED above can flip from run to run.",
     ]
+
+
+def warm_table(records: list[dict]) -> list[str]:
+    """auto on a new client per generation (the default row) against auto-warm, a new client
+    given the link the cell's auto run just measured (SplitClient(link=...)): what the memory
+    saves an app from its second generation on. Both fresh channels, so only the memory differs."""
+    rows = [r for r in records if r["mode"] in ("auto", "auto-warm")]
+    if not any(r["mode"] == "auto-warm" for r in rows):
+        return []
+    lines = [
+        "## Remembered link: auto against auto-warm (all prompts)",
+        "",
+        "auto-warm is auto on a new client given the link its cell's auto run had just measured"
+        " (`SplitClient(link=...)`); both open a fresh channel, so only the memory differs. Where"
+        " the remembered round trip is 1.5 target steps, auto-warm starts cloud-led"
+        " (`Start.cloud_led`) instead of leading with its first Draft a round trip later.",
+        "",
+        "| condition | T | auto tok/s | auto-warm tok/s | × auto | TTFT p50 ms auto / warm |"
+        " started cloud-led |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["link"], r["rtt_ms"], r["temperature"]) for r in rows})
+    for link, rtt, t in keys:
+        here = [r for r in rows if (r["link"], r["rtt_ms"], r["temperature"]) == (link, rtt, t)]
+        auto = [r for r in here if r["mode"] == "auto"]
+        warm = [r for r in here if r["mode"] == "auto-warm"]
+        if not (auto and warm):
+            continue
+        a, w = _tok_s(auto), _tok_s(warm)
+        ttft = [float(np.median([r["ttft_s"] for r in g])) * 1e3 for g in (auto, warm)]
+        led = sum(bool(r.get("led_at_start")) for r in warm)
+        lines.append(
+            f"| {condition(rtt, link)} | {t:g} | {a:.2f} | {w:.2f} | {w / a:.2f} "
+            f"| {ttft[0]:.0f} / {ttft[1]:.0f} | {led}/{len(warm)} |"
+        )
+    return lines
 
 
 def bytes_table(records: list[dict]) -> list[str]:

@@ -27,6 +27,7 @@ from bench.demo import interrupt_on_sigterm, split_cores
 from bench.proxy import DelayProxy
 from specsplit.cloud.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.mode_switch import Link
 from specsplit.shared.sampling import SamplingConfig
 
 HERE = Path(__file__).parent
@@ -34,13 +35,17 @@ console = Console(stderr=True)
 
 
 LTE = {"rtt_ms": 50.0, "jitter_ms": 10.0, "up_bps": 5e6, "down_bps": 20e6}  # a phone on LTE
-SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led", "auto")
+SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led", "auto", "auto-warm")
+# The client's session mode per bench mode (lock-step for the rest); these run as with no seed.
+SESSION_MODE = {"cloud-led": "cloud-led", "auto": "auto", "auto-warm": "auto"}
 
 
 @dataclass(frozen=True)
 class Config:
     # cloud-only, edge-only, lock-step (fixed k), lock-step-adaptive / cloud-led / auto (k <= k;
-    # auto: the default session mode, lock-step until it measures cloud-led to be faster)
+    # auto: the default session mode, lock-step until it measures cloud-led to be faster) /
+    # auto-warm (auto on a new client given the link its cell's last auto run measured:
+    # SplitClient(link=...), what an app gets from its second generation on)
     mode: str
     k: int  # 0 for cloud-only / edge-only; the fixed k, or the adaptive modes' maximum
     temperature: float
@@ -103,6 +108,7 @@ class Plan:
                 out.append(Config("lock-step-adaptive", self.k_max, t, rtt, link))
                 out.append(Config("cloud-led", self.k_max, t, rtt, link))
                 out.append(Config("auto", self.k_max, t, rtt, link))
+                out.append(Config("auto-warm", self.k_max, t, rtt, link))
         return out
 
 
@@ -111,9 +117,9 @@ def load_prompts() -> list[dict]:
 
 
 def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
-    """Full: 8 conditions x 2 temperatures x 7 modes x 2 prompts of 32 tokens, three seeds each
-    at T = 0.7 and three runs each greedy, about 90 min on the 2-core CPU box; quick: 3 conditions
-    x 2 temperatures x 5 modes x 1 prompt of 16, one seed."""
+    """Full: 8 conditions x 2 temperatures x 8 modes x 2 prompts of 32 tokens, three seeds each
+    at T = 0.7 and three runs each greedy, about 105 min on the 2-core CPU box; quick: 3
+    conditions x 2 temperatures x 6 modes x 1 prompt of 16, one seed."""
     prompts = load_prompts()
     code = [p for p in prompts if p["class"] == "code"]
     prose = [p for p in prompts if p["class"] == "prose"]
@@ -132,7 +138,11 @@ def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
     )
 
 
-async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed: int):
+async def generate(
+    address, drafter, prompt_ids, cfg: Config, max_new: int, seed: int, link: Link | None = None
+):
+    """One generation on a new client (given ``link``, the memory of an earlier one); returns
+    it and the link its client measured."""
     split = cfg.mode in SPLIT_MODES
     gen_cfg = GenerationConfig(
         max_new_tokens=max_new,
@@ -140,14 +150,15 @@ async def generate(address, drafter, prompt_ids, cfg: Config, max_new: int, seed
         seed=seed,
         draft_tokens=max(cfg.k, 1),
         adaptive=cfg.mode != "lock-step",
-        # auto and cloud-led: as with no seed (adaptive); the seed keeps runs comparable
-        session_mode=cfg.mode if cfg.mode in ("cloud-led", "auto") else "lock-step",
+        # auto(-warm) and cloud-led: as with no seed (adaptive); the seed keeps runs comparable
+        session_mode=SESSION_MODE.get(cfg.mode, "lock-step"),
     )
     mode = "split" if split else cfg.mode
-    async with SplitClient(None if cfg.mode == "edge-only" else address, drafter) as client:
+    address = None if cfg.mode == "edge-only" else address
+    async with SplitClient(address, drafter, link=link) as client:
         gen = client.generate(prompt_ids, gen_cfg, mode=mode)
         await gen.collect()
-    return gen
+    return gen, client.link
 
 
 def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
@@ -177,6 +188,9 @@ async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set
     await generate(
         address, drafter, encoded[plan.prompts[0]["id"]], Config("lock-step", 4, 0, 0), 8, 0
     )
+    # The link each cell's latest auto (or auto-warm) run measured, per prompt: auto-warm runs
+    # right after auto in the schedule, on a new client given it.
+    links: dict[tuple, Link | None] = {}
     todo = [
         (c, p, j)
         for c, j in plan.schedule()
@@ -199,7 +213,13 @@ async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set
             async with DelayProxy(gateway_port, **link) as proxy:
                 # RTT 0 goes direct: no proxy hop in the loopback baseline
                 via = f"127.0.0.1:{proxy.port}" if cfg.rtt_ms > 0 else address
-                gen = await generate(via, drafter, ids, cfg, plan.max_new_tokens, seed)
+                cell = (cfg.rtt_ms, cfg.link, cfg.temperature, prompt["id"])
+                known = links.get(cell) if cfg.mode == "auto-warm" else None
+                gen, measured = await generate(
+                    via, drafter, ids, cfg, plan.max_new_tokens, seed, known
+                )
+                if cfg.mode in ("auto", "auto-warm"):
+                    links[cell] = measured
             out.write(json.dumps(record(cfg, prompt, j, gen)) + "\n")
             out.flush()
             progress.advance(task)

@@ -25,3 +25,20 @@ def test_schedule_interleaves_the_modes_of_a_condition():
         assert samples == sorted(samples), (rtt, link, t)
         first = {c.mode for c, j in order if j == 0}
         assert {"cloud-only", "lock-step", "cloud-led"} <= first, (rtt, link, t, first)
+
+
+def test_auto_warm_runs_right_after_the_auto_run_whose_link_it_is_given():
+    """auto-warm is auto on a new client given the link the cell's auto run just measured: the
+    schedule must put that run (same condition, temperature and sample) right before it."""
+    for quick in (False, True):
+        schedule = make_plan(quick=quick, max_new_tokens=None).schedule()
+        warm = [i for i, (c, _) in enumerate(schedule) if c.mode == "auto-warm"]
+        assert warm, quick
+        for i in warm:
+            (c, j), (before, jb) = schedule[i], schedule[i - 1]
+            assert before.mode == "auto" and jb == j
+            assert (before.rtt_ms, before.link, before.temperature) == (
+                c.rtt_ms,
+                c.link,
+                c.temperature,
+            )

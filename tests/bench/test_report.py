@@ -166,3 +166,17 @@ def test_timing_noise_compares_auto_with_lock_step_adaptive_where_auto_never_led
     assert "ranged 0.80–1.00" in line and "in 1 of them" in line
     sampled = [dict(r, temperature=0.7) for r in records]  # other seeds: other blocks
     assert timing_noise(sampled) == []
+
+
+def test_warm_table_puts_auto_warm_beside_auto_per_condition():
+    from bench.report_modes import warm_table
+
+    c = {"rtt": 500.0, "link": ""}
+    auto = rec(mode="auto", k=8, wall=2.0, ttft_s=1.5, **c)
+    warm = [
+        rec(mode="auto-warm", k=8, wall=1.6, ttft_s=0.6, led_at_start=True, **c),
+        rec(mode="auto-warm", k=8, wall=1.6, ttft_s=0.8, led_at_start=False, **c),
+    ]
+    assert warm_table([auto]) == []  # a run without the row
+    lines = warm_table([auto, *warm])
+    assert lines[-1] == "| 500 ms | 0 | 5.00 | 6.25 | 1.25 | 1500 / 700 | 1/2 |"
