@@ -118,7 +118,7 @@ def load_prompts() -> list[dict]:
 
 def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
     """Full: 8 conditions x 2 temperatures x 8 modes x 2 prompts of 32 tokens, three seeds each
-    at T = 0.7 and three runs each greedy, about 105 min on the 2-core CPU box; quick: 3
+    at T = 0.7 and three runs each greedy, 105-130 min on the 2-core CPU box; quick: 3
     conditions x 2 temperatures x 6 modes x 1 prompt of 16, one seed."""
     prompts = load_prompts()
     code = [p for p in prompts if p["class"] == "code"]
