@@ -17,7 +17,8 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -96,6 +97,14 @@ class Plan:
     def planned(self) -> int:
         return sum(self.samples_of(c) for c in self.configs()) * len(self.prompts)
 
+    def only(self, conditions: Sequence[float | str]) -> Plan:
+        """This plan cut to some conditions (round trips in ms, ``lte``), for rerunning cells."""
+        unknown = [c for c in conditions if c != "lte" and c not in self.rtts_ms]
+        if unknown or ("lte" in conditions and not self.lte):
+            raise SystemExit(f"--rtt {unknown or 'lte'}: not in this plan's conditions")
+        rtts = tuple(r for r in self.rtts_ms if r in conditions)
+        return replace(self, rtts_ms=rtts, lte="lte" in conditions)
+
     def configs(self) -> list[Config]:
         """Condition-major, so a run stopped early still covers every temperature at the low
         RTTs; every mode runs in the same minutes as the others of its condition."""
@@ -110,6 +119,16 @@ class Plan:
                 out.append(Config("auto", self.k_max, t, rtt, link))
                 out.append(Config("auto-warm", self.k_max, t, rtt, link))
         return out
+
+
+def condition(text: str) -> float | str:
+    """--rtt: a round trip in ms of the plan, or ``lte`` for the LTE-like link."""
+    if text == "lte":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a round trip in ms nor 'lte': {text!r}") from None
 
 
 def load_prompts() -> list[dict]:
@@ -236,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--rtt",
+        action="append",
+        type=condition,
+        metavar="MS|lte",
+        help="only this condition (repeatable): rerun some cells into their own report",
+    )
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
@@ -246,9 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.edge.text import TextCodec
     from specsplit.shared.sources import resolve_model
 
+    plan = make_plan(args.quick, args.max_new_tokens)
+    if args.rtt:
+        plan = plan.only(args.rtt)
     name = "benchmarks-quick" if args.quick else "benchmarks"
     if args.target_dtype != "auto":
         name += f"-{args.target_dtype}"
+    if args.rtt:  # never over the full report
+        name += "-rtt" + "-".join(str(c) if c == "lte" else f"{c:g}" for c in args.rtt)
     raw = args.out / f"{name}-raw.jsonl"
     meta_path = args.out / f"{name}-meta.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -258,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
         done = {(r["key"], r["prompt_id"], r.get("sample", 0)) for r in records}
     else:
         raw.write_text("")
-    plan = make_plan(args.quick, args.max_new_tokens)
     target_dir = resolve_model(args.target)
     draft_dir = ensure_draft_onnx(args.draft, args.precision)
     edge_cores, cloud_cores = split_cores()

@@ -2,7 +2,9 @@
 
 from collections import Counter
 
-from bench.run import make_plan
+import pytest
+
+from bench.run import LTE, make_plan
 
 
 def test_full_plan_runs_every_config_its_number_of_times():
@@ -42,3 +44,15 @@ def test_auto_warm_runs_right_after_the_auto_run_whose_link_it_is_given():
                 c.link,
                 c.temperature,
             )
+
+
+def test_a_plan_cut_to_some_conditions_keeps_only_theirs():
+    """``--rtt 100 --rtt lte``: those cells, every mode and temperature, nothing else."""
+    full = make_plan(quick=False, max_new_tokens=None)
+    cut = full.only([100.0, "lte"])
+    conditions = {(c.rtt_ms, c.link) for c in cut.configs() if c.mode != "edge-only"}
+    assert conditions == {(100.0, ""), (LTE["rtt_ms"], "lte")}
+    assert {c.mode for c in cut.configs()} == {c.mode for c in full.configs()}
+    assert cut.samples == full.samples and cut.prompts == full.prompts
+    with pytest.raises(SystemExit, match="not in this plan"):
+        full.only([150.0])
