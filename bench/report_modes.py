@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specsplit.edge.mode_switch import LEAD_AT_START
+
 SPLIT = ("lock-step", "lock-step-adaptive", "cloud-led", "auto", "auto-warm")
 ADAPTIVE = ("lock-step-adaptive", "cloud-led", "auto", "auto-warm")  # k is their maximum
 # What GenerationConfig() runs: session mode auto (lock-step with adaptive k until it measures
@@ -146,7 +148,7 @@ def warm_table(records: list[dict]) -> list[str]:
         "",
         "auto-warm is auto on a new client given the link its cell's auto run had just measured"
         " (`SplitClient(link=...)`); both open a fresh channel, so only the memory differs. Where"
-        " the remembered round trip is 1.5 target steps, auto-warm starts cloud-led"
+        f" the remembered round trip is {LEAD_AT_START:g} target steps, auto-warm starts cloud-led"
         " (`Start.cloud_led`) instead of leading with its first Draft a round trip later.",
         "",
         "| condition | T | auto tok/s | auto-warm tok/s | × auto | TTFT p50 ms auto / warm |"
