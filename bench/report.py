@@ -198,6 +198,8 @@ def _headline(records: list[dict]) -> tuple[list[str], dict]:
         and r["mode"] != "edge-only"
         and not r["link"]
     ]
+    if not any(r["mode"] == "cloud-only" for r in rows):  # e.g. make bench --rtt 100
+        return ["(No greedy code generations at RTT 0 in this run: no headline.)"], {}
     base = aggregate([r for r in rows if r["mode"] == "cloud-only"])
     best = {}
     lines = [

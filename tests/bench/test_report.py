@@ -95,6 +95,23 @@ def test_write_report_from_raw_alone(tmp_path):
     assert (tmp_path / "img" / "b-tok-s-vs-rtt-t0.png").stat().st_size > 0
 
 
+def test_a_run_without_rtt_0_still_reports(tmp_path):
+    """``make bench --rtt 100``: no RTT-0 headline, the rest of the page as usual."""
+    raw = tmp_path / "b-raw.jsonl"
+    records = [
+        rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0, rtt=100.0),
+        rec(rtt=100.0),
+    ]
+    raw.write_text("\n".join(json.dumps(r) for r in records))
+    meta = tmp_path / "b-meta.json"
+    plan = {"ks": [4], "temperatures": [0.0], "rtts_ms": [100.0], "prompts": 1}
+    machine = {"target": "/t", "draft": "/d", "draft_precision": "int8", "target_dtype": "auto"}
+    cores = {"edge_cores": [0], "cloud_cores": [1], "date": "today"}
+    meta.write_text(json.dumps(machine | cores | {"plan": plan | {"max_new_tokens": 10}}))
+    text = write_report(raw, meta, tmp_path, "b").read_text()
+    assert "no headline" in text and "MISSED: split ≥ 1.5× cloud-only" in text
+
+
 def test_default_mode_targets_per_condition():
     from bench.report_modes import targets
 
