@@ -26,7 +26,7 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
     k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(k_max) if cfg.adapts else None
     may_lead = cfg.may_lead and started.accepts_lead
-    switch = LeadChoice(k_max, cfg.sampling.greedy, started.step_ms) if may_lead else None
+    switch = LeadChoice(k_max, cfg.sampling.greedy) if may_lead else None
     lead_now = may_lead and LeadChoice.lead_at_start(stats.start_rtt_ms, started.step_ms)
     t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle
     mode = started.verification

@@ -15,9 +15,6 @@ measures all three:
   with the shared numbers (shared/coupling.py), which agree with the edge's draws with
   probability about (1 - TV) / (1 + TV) = alpha_1 / (2 - alpha_1), below alpha_1. With n such
   steps per rejected block, a cycle takes V + (1 - P) * n * V1 for E + (1 - P) * n tokens.
-  V1 is the one-row pass the session measured, else the server's own one-row step
-  (Started.step_ms): lock-step blocks are rarely one row, and on a CPU target a block of 9 rows
-  costs about 1.8x a row, so taking the block's pass for V1 overstates cloud-led's idle steps.
 
 The session switches once the cloud-led rate beats the lock-step rate by MARGIN, measured over
 MIN_ROUNDS rounds (the switch is one way: a stream never goes back). Both rates come from the
@@ -65,10 +62,9 @@ class Link(NamedTuple):
 class LeadChoice:
     """Measures lock-step rounds; ``should_lead`` says when cloud-led would be faster."""
 
-    def __init__(self, k_max: int, greedy: bool, step_ms: float = 0.0) -> None:
+    def __init__(self, k_max: int, greedy: bool) -> None:
         self.lengths = DraftLength(k_max)  # acceptance per position, pass cost by rows
         self.greedy = greedy
-        self.step_ms = step_ms  # the server's one-row step (Started.step_ms, 0: unknown)
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass
         self.overhead_ms: float = 0.0  # per step: at the gateway, minus the pass
         self.rounds = 0
@@ -95,20 +91,13 @@ class LeadChoice:
         verify = lengths.verify_cost(k + 1)
         lock_step = expected / max(verify + self.idle_ms, 1e-3)
         step = verify + self.overhead_ms
-        one_row = self.one_row_ms() + self.overhead_ms
+        one_row = lengths.verify_cost(1) + self.overhead_ms
         started = max(1, math.ceil(self.idle_ms / max(one_row, 1e-3)))
         first = float(alphas[0])
         guessed = first if self.greedy else first / (2 - first)  # the edge's guess holds
         idle_steps = (1 - all_kept) * started / max(guessed, 1e-3)
         cloud_led = (expected + idle_steps) / max(step + idle_steps * one_row, 1e-3)
         return lock_step, cloud_led
-
-    def one_row_ms(self) -> float:
-        """V1: a measured one-row pass, else the server's one-row step, else the nearest size
-        measured (the block's pass, which errs towards lock-step)."""
-        if 1 in self.lengths.verify_ms or self.step_ms <= 0:
-            return self.lengths.verify_cost(1)
-        return self.step_ms
 
     @staticmethod
     def lead_at_start(rtt_ms: float | None, step_ms: float) -> bool:

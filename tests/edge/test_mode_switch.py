@@ -95,21 +95,6 @@ def test_sampling_switches_later_than_greedy():
     assert crossover(True) < crossover(False) < float("inf")
 
 
-def test_the_servers_one_row_step_stands_in_until_a_one_row_pass_is_measured():
-    """Blocks of 9 rows on a CPU target cost about 1.8x a row: taking the block's pass for
-    cloud-led's one-row idle steps makes cloud-led look slower than it is."""
-    cpu = 0.55 * 300  # a one-row pass where a 9-row one takes 300 ms
-    blind = measured(6, [2, 8], verify_ms=300, rtt_ms=100)
-    told = measured(6, [2, 8], verify_ms=300, rtt_ms=100)
-    told.step_ms = cpu
-    assert blind.one_row_ms() == 300 and told.one_row_ms() == cpu
-    assert told.rates(K)[0] == blind.rates(K)[0]  # lock-step's rate is what it measured
-    assert told.rates(K)[1] > blind.rates(K)[1]
-    assert told.should_lead(K) and not blind.should_lead(K)
-    told.observe(0, 0, 100 + cpu, cpu * 1.1, cpu * 1.1)  # a one-row round: measured wins
-    assert told.one_row_ms() == pytest.approx(cpu * 1.1)
-
-
 @pytest.mark.parametrize(
     ("rtt_ms", "step_ms", "lead"),
     [(1000, 400, True), (600, 400, True), (500, 400, False), (30, 20, True), (25, 20, False)],
