@@ -5,8 +5,9 @@ Fed to ``LeadChoice`` in order, the rounds of a lock-step adaptive run say in wh
 had it been that run, would have handed over to cloud-led. Set against the same run's measured
 cloud-led and lock-step adaptive tok/s per cell, that scores the rule without a new bench run:
 a cell's regret is the share of its runs that chose the slower mode times how much slower it
-measured. The server's one-row step (Started.step_ms, not recorded) is taken as the median
-cloud-only pass of the condition. Usage: ``python -m bench.switch_replay RAW.jsonl ...``.
+measured. Cloud-led from Start is not auto handing over mid-stream (a switch fires on the runs
+whose acceptance so far was poor), so a low regret here is a reason to bench a rule, not proof
+that it is faster. Usage: ``python -m bench.switch_replay RAW.jsonl ...``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,9 +33,9 @@ def rounds(record: dict) -> list[tuple[int, int, float, float, float]]:
     return out
 
 
-def leads(record: dict, step_ms: float) -> bool:
+def leads(record: dict) -> bool:
     """Would auto have handed over in this run (before its last round)?"""
-    choice = LeadChoice(record["k"], record["temperature"] == 0, step_ms)
+    choice = LeadChoice(record["k"], record["temperature"] == 0)
     played = rounds(record)
     remaining = record["new_tokens"]
     for (k, accepted, cycle, verify, server), (k_next, *_) in itertools.pairwise(played):
@@ -57,18 +57,14 @@ def score(paths: list[Path]) -> list[tuple[tuple, float, float]]:
     lead: dict[tuple, list[bool]] = defaultdict(list)
     for path in paths:
         records = [json.loads(line) for line in path.read_text().splitlines()]
-        passes: dict[tuple, list[float]] = defaultdict(list)
         for r in records:
-            if r["mode"] == "cloud-only":
-                passes[(r["rtt_ms"], r["link"])] += r["verify_ms"]
             col = {"cloud-led": 0, "lock-step-adaptive": 2}.get(r["mode"])
             if col is not None:
                 speed[cell(r)][col] += r["new_tokens"]
                 speed[cell(r)][col + 1] += r["wall_s"]
         for r in records:
             if r["mode"] == "lock-step-adaptive" and r["k_chosen"]:
-                step = statistics.median(passes[(r["rtt_ms"], r["link"])] or [0.0])
-                lead[cell(r)].append(leads(r, step))
+                lead[cell(r)].append(leads(r))
     out = []
     for key in sorted(lead):
         cl_tok, cl_s, ls_tok, ls_s = speed[key]
