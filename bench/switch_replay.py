@@ -23,8 +23,8 @@ from specsplit.edge.mode_switch import LeadChoice
 
 def rounds(record: dict) -> list[tuple[int, int, float, float, float]]:
     """(k, accepted, cycle_ms, verify_ms, server_ms) per round of a lock-step record."""
-    times = [t for t, _ in itertools.groupby(record["token_times_s"])]
-    counts = [len(list(g)) for _, g in itertools.groupby(record["token_times_s"])]
+    verdicts = [(t, len(list(g))) for t, g in itertools.groupby(record["token_times_s"])]
+    times, counts = [t for t, _ in verdicts], [n for _, n in verdicts]
     out = []
     for i, k in enumerate(record["k_chosen"][: len(times)]):
         cycle = record["round_ms"][i] if i == 0 else (times[i] - times[i - 1]) * 1e3
@@ -56,13 +56,11 @@ def score(paths: list[Path]) -> list[tuple[tuple, float, float]]:
     speed: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     lead: dict[tuple, list[bool]] = defaultdict(list)
     for path in paths:
-        records = [json.loads(line) for line in path.read_text().splitlines()]
-        for r in records:
+        for r in map(json.loads, path.read_text().splitlines()):
             col = {"cloud-led": 0, "lock-step-adaptive": 2}.get(r["mode"])
             if col is not None:
                 speed[cell(r)][col] += r["new_tokens"]
                 speed[cell(r)][col + 1] += r["wall_s"]
-        for r in records:
             if r["mode"] == "lock-step-adaptive" and r["k_chosen"]:
                 lead[cell(r)].append(leads(r))
     out = []
