@@ -43,7 +43,7 @@ def test_score_sets_the_rule_against_measured_speed(tmp_path):
     recs = [
         record("lock-step-adaptive", 2000, 20, wall_s=10.0),
         record("cloud-led", 2000, 20, wall_s=8.0),
-        record("cloud-only", 2000, 20),
+        record("cloud-only", 2000, 20),  # same cell, another mode: not in the score
     ]
     raw.write_text("".join(json.dumps(r) + "\n" for r in recs))
     [(cell, ratio, share)] = score([raw])
