@@ -3,6 +3,7 @@ mode, and tok/s against RTT per mode. Helpers of ``bench.report`` (which owns th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,15 @@ def step_ms(records: list[dict], temperature: float) -> float | None:
     return float(np.median(v)) if v else None
 
 
+def cells(records: Iterable[dict]) -> list[tuple[tuple, dict[str, list[dict]]]]:
+    """The records of each cell, (link, RTT, temperature) in that order, by mode."""
+    out: dict[tuple, dict[str, list[dict]]] = {}
+    for r in records:
+        cell = out.setdefault((r["link"], r["rtt_ms"], r["temperature"]), {})
+        cell.setdefault(r["mode"], []).append(r)
+    return sorted(out.items(), key=lambda kv: kv[0])
+
+
 def _tok_s(records: list[dict]) -> float:
     wall = sum(r["wall_s"] for r in records)
     return sum(r["new_tokens"] for r in records) / wall if wall else 0.0
@@ -60,16 +70,11 @@ def targets(records: list[dict], cls: str | None = None) -> list[str]:
         " × cloud-only | × best k | × best k per run | met |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = [r for r in records if cls is None or r["class"] == cls]
-    keys = sorted({(r["link"], r["rtt_ms"], r["temperature"]) for r in rows if r["mode"] in SPLIT})
-    for link, rtt, t in keys:
-        here = [r for r in rows if (r["link"], r["rtt_ms"], r["temperature"]) == (link, rtt, t)]
-        default = [r for r in here if r["mode"] == default_mode]
-        cloud = [r for r in here if r["mode"] == "cloud-only"]
+    for (link, rtt, t), modes in cells(r for r in records if cls is None or r["class"] == cls):
+        default, cloud = modes.get(default_mode, []), modes.get("cloud-only", [])
         fixed: dict[int, list[dict]] = {}
-        for r in here:
-            if r["mode"] == "lock-step":
-                fixed.setdefault(r["k"], []).append(r)
+        for r in modes.get("lock-step", []):
+            fixed.setdefault(r["k"], []).append(r)
         if not (default and cloud):
             continue
         d, c = _tok_s(default), _tok_s(cloud)
@@ -155,11 +160,8 @@ def warm_table(records: list[dict]) -> list[str]:
         " started cloud-led |",
         "|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r["link"], r["rtt_ms"], r["temperature"]) for r in rows})
-    for link, rtt, t in keys:
-        here = [r for r in rows if (r["link"], r["rtt_ms"], r["temperature"]) == (link, rtt, t)]
-        auto = [r for r in here if r["mode"] == "auto"]
-        warm = [r for r in here if r["mode"] == "auto-warm"]
+    for (link, rtt, t), modes in cells(rows):
+        auto, warm = modes.get("auto", []), modes.get("auto-warm", [])
         if not (auto and warm):
             continue
         a, w = _tok_s(auto), _tok_s(warm)
