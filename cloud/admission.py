@@ -94,6 +94,7 @@ class Ticket:
     kv_bytes: int = 0
     opened: float = field(default_factory=time.monotonic)
     _left: bool = False
+    _live: bool = False  # in Admission.live: its Start was admitted, Triton has not freed it
 
     def reserve(self, tokens: int) -> None:
         """Reserves the KV memory of a session that can grow to ``tokens`` positions."""
@@ -107,7 +108,7 @@ class Ticket:
 
     def free(self) -> None:
         """Triton freed the session: its KV bytes are free."""
-        if self.kv_bytes:
+        if self._live:
             self.admission._free(self)
 
 
@@ -164,10 +165,12 @@ class Admission:
         ticket.opened = time.monotonic()
         self.reserved_bytes += need
         self.live.append(ticket)
+        ticket._live = True
 
     def _free(self, ticket: Ticket) -> None:
         self.reserved_bytes -= ticket.kv_bytes
         ticket.kv_bytes = 0
+        ticket._live = False
         self.live.remove(ticket)
         lasted = time.monotonic() - ticket.opened
         self.mean_session_s = 0.9 * self.mean_session_s + 0.1 * lasted

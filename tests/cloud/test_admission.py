@@ -79,6 +79,20 @@ def test_budget_refuses_with_a_retry_hint_and_frees_once():
     assert admission.reserved_bytes == 0 and not admission.live
 
 
+def test_without_a_kv_shape_ended_sessions_still_leave_the_live_list():
+    """Admission() (no KV shape: nothing to budget) still tracks live sessions, whose age the
+    session limit's retry hint reads; each must leave when Triton frees it."""
+    admission = Admission()
+    tickets = [admission.enter(None) for _ in range(3)]
+    for t in tickets:
+        t.reserve(50)
+    assert len(admission.live) == 3 and admission.reserved_bytes == 0
+    for t in tickets:
+        t.free()
+        t.free()
+    assert not admission.live
+
+
 def test_a_short_session_fits_where_a_long_one_does_not():
     admission = Admission(KV, budget_bytes=MIB)  # 2048 positions of 512 B
     admission.enter(None).reserve(1000)  # 1024 positions
