@@ -23,11 +23,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specsplit.shared.protocol import RETRY_AFTER_KEY, RETRY_PUSHBACK_KEY
+
 log = logging.getLogger(__name__)
 
 MIN_SLOT = 64  # kv_slots._MIN_CAPACITY: a fresh slot's positions
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's own retry policy honours it (gRFC A6)
-RETRY_AFTER_KEY = "retry-after-ms"  # the same hint for clients that retry by hand
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

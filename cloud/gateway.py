@@ -115,10 +115,14 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
         if self.active >= self.limits.max_sessions:
             await before_refusing(request_iterator)
+            wait_ms = self.admission.retry_after_ms()
+            full = Refused(
+                f"server at its limit of {self.limits.max_sessions} sessions; retry in "
+                f"{wait_ms} ms, or on another replica",
+                retry_after_ms=wait_ms,
+            )
             await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server at its limit of {self.limits.max_sessions} sessions; retry in a few "
-                "seconds, or on another replica",
+                grpc.StatusCode.RESOURCE_EXHAUSTED, full.message, full.trailing_metadata()
             )
         try:
             ticket = self.admission.enter(self._client(context))

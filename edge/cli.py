@@ -208,8 +208,8 @@ def _add_serve_parser(sub) -> None:
         "--retry-window",
         type=float,
         default=DEFAULT_WINDOW_S,
-        help="seconds to keep re-opening after UNAVAILABLE before answering 503 "
-        f"(default {DEFAULT_WINDOW_S:.0f})",
+        help="seconds to keep re-opening after UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED "
+        f"with a retry hint, before answering 503 or 429 (default {DEFAULT_WINDOW_S:.0f})",
     )
     s.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per drafter")
     s.add_argument(
@@ -261,8 +261,8 @@ def _parser() -> argparse.ArgumentParser:
         "--retry-window",
         type=float,
         default=DEFAULT_WINDOW_S,
-        help="seconds to keep re-opening after UNAVAILABLE, per outage "
-        f"(default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
+        help="seconds to keep re-opening after UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED "
+        f"with a retry hint, per outage (default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
     )
     g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -25,7 +25,13 @@ from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
 from specsplit.edge.mode_switch import LeadChoice, Link
-from specsplit.edge.retry import DEFAULT_WINDOW_S, HANDSHAKE_HINT, Backoff, refused_at_handshake
+from specsplit.edge.retry import (
+    DEFAULT_WINDOW_S,
+    HANDSHAKE_HINT,
+    Backoff,
+    refused_at_handshake,
+    retry_after_s,
+)
 from specsplit.edge.session import Session as _Session
 from specsplit.edge.session import SpecsplitError  # noqa: F401 (re-export)
 from specsplit.shared.acceptance import Mode
@@ -67,8 +73,9 @@ class GenerationConfig:
     # (SparseDistribution.counts); 0 samples from and sends float q (4 bytes per entry).
     q_levels: int = Q_LEVELS
     model: str = ""  # target model name; "" = the server's default
-    # After UNAVAILABLE, re-open from the committed sequence with backoff for up to this long
-    # per outage (edge/retry.py); never once the final verdict came.
+    # After UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED that says when to try again,
+    # re-open from the committed sequence with backoff for up to this long per outage
+    # (edge/retry.py); never once the final verdict came.
     retry_window_s: float = DEFAULT_WINDOW_S
     # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
     # guess" (its top token when greedy, its own draw with the shared numbers when sampling,
@@ -193,7 +200,8 @@ class SplitClient:
             stats.finish = "LENGTH"
 
     async def _with_retries(self, prompt, cfg, stats, mode) -> AsyncIterator[list[int]]:
-        """Runs the session; after UNAVAILABLE re-opens with the committed sequence as prompt."""
+        """Runs the session; after UNAVAILABLE, or RESOURCE_EXHAUSTED with a retry hint, re-opens
+        with the committed sequence as prompt (edge/retry.py)."""
         committed = list(prompt)
         backoff = Backoff(cfg.retry_window_s)
         while True:
@@ -217,7 +225,12 @@ class SplitClient:
                 if not (self._reached or session.reached) and refused_at_handshake(e):
                     # A configuration error, not an outage: retrying cannot help.
                     raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
-                pause = backoff.next_pause() if e.code() == grpc.StatusCode.UNAVAILABLE else None
+                pause = None
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    pause = backoff.next_pause()
+                elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    hint = retry_after_s(e)  # none: the client's own quota, waiting cannot help
+                    pause = None if hint is None else backoff.next_pause(at_least=hint)
                 if pause is None:
                     raise SpecsplitError(e.code(), e.details()) from None
                 stats.retries += 1

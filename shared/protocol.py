@@ -23,6 +23,9 @@ from specsplit.shared.sampling import SamplingConfig, SparseDist, from_counts
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_1
 SERVICE_NAME = "specsplit.v1.SpeculativeDecoding"
+# A RESOURCE_EXHAUSTED refusal's trailing metadata: when to try again, in ms (absent: not soon)
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's own retry policy honours it (gRFC A6)
+RETRY_AFTER_KEY = "retry-after-ms"  # the same hint for clients that retry by hand (the edge)
 
 MODE_TO_PB = {
     Mode.GREEDY: pb.VERIFICATION_MODE_GREEDY,

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
-from specsplit.edge.retry import Backoff, refused_at_handshake
+from specsplit.edge.retry import Backoff, refused_at_handshake, retry_after_s
 from specsplit.shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb
 from tests.fakes import MODEL, SlowDrafter
 
@@ -53,6 +53,31 @@ def test_a_refused_handshake_is_told_from_an_outage(details, fatal):
         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
     )
     assert refused_at_handshake(e) is fatal
+
+
+def test_a_busy_clouds_hint_is_a_floor_under_the_backoff(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("specsplit.edge.retry.time.monotonic", lambda: now[0])
+    backoff = Backoff(window_s=10.0, first_s=1.0, max_s=4.0)
+    assert backoff.next_pause(at_least=3.0) == 3.0  # the cloud asked for 3 s
+    now[0] += 3.0
+    assert backoff.next_pause(at_least=0.1) == 2.0  # a repeated refusal still backs off
+    now[0] += 2.0
+    assert backoff.next_pause(at_least=6.0) is None  # 6 s more would end past the window
+
+
+@pytest.mark.parametrize(
+    "metadata, seconds",
+    [((("retry-after-ms", "1500"),), 1.5), ((), None), ((("retry-after-ms", "soon"),), None)],
+)
+def test_the_retry_hint_is_read_from_the_trailing_metadata(metadata, seconds):
+    e = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*metadata),
+        "busy",
+    )
+    assert retry_after_s(e) == seconds
 
 
 def test_negative_window_is_refused():
