@@ -94,7 +94,6 @@ class Ticket:
     kv_bytes: int = 0
     opened: float = field(default_factory=time.monotonic)
     _left: bool = False
-    _live: bool = False  # in Admission.live: its Start was admitted, Triton has not freed it
 
     def reserve(self, tokens: int) -> None:
         """Reserves the KV memory of a session that can grow to ``tokens`` positions."""
@@ -108,8 +107,7 @@ class Ticket:
 
     def free(self) -> None:
         """Triton freed the session: its KV bytes are free."""
-        if self._live:
-            self.admission._free(self)
+        self.admission._free(self)
 
 
 class Admission:
@@ -165,12 +163,12 @@ class Admission:
         ticket.opened = time.monotonic()
         self.reserved_bytes += need
         self.live.append(ticket)
-        ticket._live = True
 
     def _free(self, ticket: Ticket) -> None:
+        if ticket not in self.live:  # never admitted, or freed already (tickets: by identity)
+            return
         self.reserved_bytes -= ticket.kv_bytes
         ticket.kv_bytes = 0
-        ticket._live = False
         self.live.remove(ticket)
         lasted = time.monotonic() - ticket.opened
         self.mean_session_s = 0.9 * self.mean_session_s + 0.1 * lasted
