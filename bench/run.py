@@ -201,6 +201,23 @@ def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
     }
 
 
+def run_meta(
+    plan: Plan, target_dir, draft_dir, precision: str, dtype: str, edge_cores, cloud_cores
+) -> dict:
+    """What the report reads besides the raw records: the run's conditions and plan."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "draft_precision": precision,
+        "target_dtype": dtype,
+        "edge_cores": sorted(edge_cores),
+        "cloud_cores": sorted(cloud_cores),
+        "plan": asdict(plan) | {"prompts": len(plan.prompts)},
+        "planned": plan.planned,
+    }
+
+
 async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set) -> None:
     gateway_port = int(address.rsplit(":", 1)[1])
     encoded = {p["id"]: codec.chat_prompt(p["prompt"]) for p in plan.prompts}
@@ -293,17 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     draft_dir = ensure_draft_onnx(args.draft, args.precision)
     edge_cores, cloud_cores = split_cores()
     os.sched_setaffinity(0, edge_cores)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "target": str(target_dir),
-        "draft": str(draft_dir),
-        "draft_precision": args.precision,
-        "target_dtype": args.target_dtype,
-        "edge_cores": sorted(edge_cores),
-        "cloud_cores": sorted(cloud_cores),
-        "plan": asdict(plan) | {"prompts": len(plan.prompts)},
-        "planned": plan.planned,
-    }
+    meta = run_meta(
+        plan, target_dir, draft_dir, args.precision, args.target_dtype, edge_cores, cloud_cores
+    )
     if done and meta_path.exists():  # a resumed run reports its first start and total time
         before = json.loads(meta_path.read_text())
         meta["date"] = before.get("date", meta["date"])

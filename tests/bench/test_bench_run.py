@@ -4,12 +4,11 @@ ONNX Runtime draft, the real delay proxy; only the plan is small."""
 
 import asyncio
 import json
-from dataclasses import asdict
 
 import pytest
 
 from bench.report import write_report
-from bench.run import Plan, run_all
+from bench.run import Plan, run_all, run_meta
 from specsplit.edge.drafter import OnnxDrafter
 
 PROMPTS = (
@@ -34,18 +33,7 @@ def bench_run(cloud, tiny, tmp_path_factory):
     raw = out / "benchmarks-raw.jsonl"
     drafter = OnnxDrafter(tiny.draft_onnx)
     asyncio.run(run_all(plan, cloud.address, drafter, ByteIds(), raw, set()))
-    meta = {
-        "date": "2026-01-01 00:00 UTC",
-        "target": str(tiny.target),
-        "draft": str(tiny.draft_onnx),
-        "draft_precision": "fp32",
-        "target_dtype": "auto",
-        "edge_cores": [0],
-        "cloud_cores": [1],
-        "plan": asdict(plan) | {"prompts": len(plan.prompts)},
-        "planned": plan.planned,
-        "wall_s": 1.0,
-    }
+    meta = run_meta(plan, tiny.target, tiny.draft_onnx, "fp32", "auto", {0}, {1}) | {"wall_s": 1.0}
     (out / "benchmarks-meta.json").write_text(json.dumps(meta))
     return plan, raw, drafter, out
 
