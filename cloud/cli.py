@@ -127,6 +127,7 @@ async def serve(args: argparse.Namespace) -> int:
                     target,
                     threads=args.threads,
                     dtype=args.dtype,
+                    weights=args.weights,
                     startup_timeout_s=args.startup_timeout,
                     cpus=cpus,
                     log_dir=args.triton_log_dir,
@@ -209,7 +210,17 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
-        help="target precision (auto: float32 on CPU, bfloat16 on GPU)",
+        help="float dtype of the target's float path (auto: float32 on CPU, bfloat16 on GPU; "
+        "any other value means --weights float)",
+    )
+    s.add_argument(
+        "--weights",
+        choices=("auto", "float", "int8", "int4"),  # cloud.precision.WEIGHTS (no torch here)
+        default=os.environ.get("SPECSPLIT_TARGET_WEIGHTS", "auto"),
+        help="how the target's weights are served: float (torch, --dtype), int8 or int4 (our "
+        "batch-invariant CPU kernels; int4 keeps a 4-bit source's 4-bit tensors, others int8); "
+        "auto: float on GPU, on CPU the fastest by a calibration at load (default: "
+        "$SPECSPLIT_TARGET_WEIGHTS or auto)",
     )
     s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
     s.add_argument(

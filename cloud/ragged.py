@@ -33,22 +33,47 @@ class Segment:
     want_logits: bool
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check_supported(config) -> None:
+    if config.model_type not in SUPPORTED:
+        raise ValueError(
+            f"batched target supports {', '.join(SUPPORTED)} models, not {config.model_type!r}"
+        )
+    if getattr(config, "use_sliding_window", False) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None)
+    ):
+        raise ValueError("sliding-window attention is not supported by the batched target")
+
+
+def logits_rows(x: torch.Tensor, segments, head) -> list[torch.Tensor | None]:
+    """``head`` (final norm + LM head) over the rows of the segments that want logits only."""
+    keep, offset = [], 0
+    for seg in segments:
+        if seg.want_logits:
+            keep.append(torch.arange(offset, offset + len(seg.tokens)))
+        offset += len(seg.tokens)
+    if not keep:
+        return [None] * len(segments)
+    logits = head(x[torch.cat(keep).to(x.device)])  # [kept rows, V]
+    result, at = [], 0
+    for seg in segments:
+        if seg.want_logits:
+            result.append(logits[at : at + len(seg.tokens)])
+            at += len(seg.tokens)
+        else:
+            result.append(None)
+    return result
 
 
 class RaggedForward:
     def __init__(self, model: torch.nn.Module):
         config = model.config
-        if config.model_type not in SUPPORTED:
-            raise ValueError(
-                f"batched target supports {', '.join(SUPPORTED)} models, not {config.model_type!r}"
-            )
-        if getattr(config, "use_sliding_window", False) or (
-            config.model_type == "mistral" and getattr(config, "sliding_window", None)
-        ):
-            raise ValueError("sliding-window attention is not supported by the batched target")
+        check_supported(config)
+        self.config = config
         self.model = model
         self.inner = model.model
         self.heads = config.num_attention_heads
@@ -92,8 +117,8 @@ class RaggedForward:
         q = attn.q_proj(h).view(rows, self.heads, self.head_dim)
         k = attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)
         v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         out = torch.empty_like(q)  # [R, heads, head_dim]
         offset = 0
         for seg, start in zip(segments, starts, strict=True):
@@ -120,20 +145,4 @@ class RaggedForward:
         return out.reshape(rows, self.heads * self.head_dim)
 
     def _logits(self, x: torch.Tensor, segments) -> list[torch.Tensor | None]:
-        keep, offset = [], 0
-        for seg in segments:
-            if seg.want_logits:
-                keep.append(torch.arange(offset, offset + len(seg.tokens)))
-            offset += len(seg.tokens)
-        if not keep:
-            return [None] * len(segments)
-        rows = torch.cat(keep).to(x.device)
-        logits = self.model.lm_head(self.inner.norm(x[rows]))  # [kept rows, V]
-        result, at = [], 0
-        for seg in segments:
-            if seg.want_logits:
-                result.append(logits[at : at + len(seg.tokens)])
-                at += len(seg.tokens)
-            else:
-                result.append(None)
-        return result
+        return logits_rows(x, segments, lambda h: self.model.lm_head(self.inner.norm(h)))

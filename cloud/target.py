@@ -26,6 +26,7 @@ import torch
 
 from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
 from specsplit.cloud.kv_slots import Slot
+from specsplit.cloud.precision import check_weights, pick_device
 from specsplit.cloud.ragged import RaggedForward, Segment
 from specsplit.shared.acceptance import (
     Mode,
@@ -113,28 +114,32 @@ PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory
 MAX_BLOCK = 16  # the largest k the cloud ever hints (Limits.max_draft_tokens)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
+    """(forward, format, float dtype) for the model at ``model_dir`` (``cloud.precision``)."""
+    from transformers import AutoModelForCausalLM
 
+    from specsplit.cloud.precision import choose
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU, bfloat16 on GPU.
+    check_weights(weights)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    four_bit = False
+    if weights in ("auto", "int4") and device.type == "cpu":
+        from specsplit.cloud.quantized import four_bit_source, projections
 
-    float32 on CPU keeps batched verification and one-token decoding numerically equal to
-    well below any argmax margin seen in practice; bfloat16 is 2-3x faster on CPUs with bf16
-    instructions, at the price of rare near-tie flips between block and single-token passes.
-    """
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}") from None
+        four_bit = four_bit_source(projections(model))
+    fmt, torch_dtype = choose(weights, dtype, device, model.config, four_bit)
+    if fmt != "float":
+        from specsplit.cloud import quant_cache
+        from specsplit.cloud.kernel_forward import KernelForward
 
+        cache_key = quant_cache.key(model_dir, fmt, four_bit)
+        return KernelForward(model, fmt, four_bit, cache_key), fmt, torch_dtype
+    model = model.to(device=device, dtype=torch_dtype)
+    if device.type == "cpu" and torch_dtype == torch.float32 and packed_linear:
+        from specsplit.cloud.packed_linear import pack_linears
 
-def pick_device(requested: str | None = None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("packed %d linear layers for oneDNN", pack_linears(model))
+    return RaggedForward(model), fmt, torch_dtype
 
 
 class TargetModel:
@@ -148,21 +153,16 @@ class TargetModel:
         dtype: str = "auto",
         packed_linear: bool = True,
         calibrate: bool = True,
+        weights: str = "auto",
     ):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         if threads:
             torch.set_num_threads(threads)
         self.device = pick_device(device)
-        dtype = resolve_dtype(dtype, self.device)
-        self.config = AutoConfig.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
-        self.model.eval()
-        if self.device.type == "cpu" and dtype == torch.float32 and packed_linear:
-            from specsplit.cloud.packed_linear import pack_linears
-
-            log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
-        self.forward = RaggedForward(self.model)
+        self.forward, self.weights, dtype = _load(
+            model_dir, self.device, weights, dtype, packed_linear
+        )
+        self.config = self.forward.config
+        self.model = getattr(self.forward, "model", None)  # the torch model (float path only)
         self.vocab_size = int(self.config.vocab_size)
         self.sessions: dict[int, _Session] = {}
         self.forward_passes = 0
@@ -174,7 +174,14 @@ class TargetModel:
             log.info(
                 "forward cost by rows (ms): %s", {r: round(m, 1) for r, m in self.cost.ms.items()}
             )
-        log.info("target %s on %s (%s), vocab %d", model_dir, self.device, dtype, self.vocab_size)
+        log.info(
+            "target %s on %s (%s weights, %s), vocab %d",
+            model_dir,
+            self.device,
+            self.weights,
+            dtype,
+            self.vocab_size,
+        )
 
     # -- single-request conveniences (tests, tools) -------------------------------------------
 

@@ -215,6 +215,7 @@ class TritonServer:
         threads: int | None = None,
         dtype: str = "auto",
         startup_timeout_s: float = 180.0,
+        weights: str = "auto",
         model_repository: Path = MODEL_REPOSITORY,
         log_verbose: int = 0,
         cpus: set[int] | None = None,
@@ -227,6 +228,7 @@ class TritonServer:
             self.metrics_port = free_port()
         self.threads = threads
         self.dtype = dtype
+        self.weights = weights
         self.startup_timeout_s = startup_timeout_s
         self.model_repository = model_repository
         self.log_verbose = log_verbose
@@ -261,7 +263,11 @@ class TritonServer:
             raise TritonError("tritonserver was stopped")
         bundled = BundledTriton.find()
         backends = bundled.prepare_backends(self._work)
-        extra = {"SPECSPLIT_TARGET_DIR": str(self.target_dir), "SPECSPLIT_TARGET_DTYPE": self.dtype}
+        extra = {
+            "SPECSPLIT_TARGET_DIR": str(self.target_dir),
+            "SPECSPLIT_TARGET_DTYPE": self.dtype,
+            "SPECSPLIT_TARGET_WEIGHTS": self.weights,
+        }
         if self.threads:
             extra["SPECSPLIT_TARGET_THREADS"] = str(self.threads)
         cmd = [

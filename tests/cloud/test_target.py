@@ -20,7 +20,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture
 def target(target_dir):
-    return TargetModel(target_dir, device="cpu")
+    return TargetModel(target_dir, device="cpu", weights="float")
 
 
 def greedy_rounds(target, sid, prompt, drafts_per_round, n_new):

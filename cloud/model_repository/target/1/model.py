@@ -124,11 +124,13 @@ class TritonPythonModel:
         threads = _param(config, "threads") or os.environ.get("SPECSPLIT_TARGET_THREADS", "")
         self.idle_s = float(_param(config, "session_idle_s", "600"))
         dtype = os.environ.get("SPECSPLIT_TARGET_DTYPE") or _param(config, "dtype", "auto")
+        weights = os.environ.get("SPECSPLIT_TARGET_WEIGHTS") or _param(config, "weights", "auto")
         try:
             self.target = TargetModel(
                 target_dir,
                 threads=int(threads) if threads else None,
                 dtype=dtype,
+                weights=weights,
                 packed_linear=os.environ.get("SPECSPLIT_PACKED_LINEAR", "1") != "0",
             )
         except ValueError as e:

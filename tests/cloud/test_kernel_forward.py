@@ -1,0 +1,164 @@
+"""The quantised target on our CPU kernels: right numbers, and rows that never see the batch.
+
+Batch invariance is the property lossless greedy needs in reduced precision: a row's logits must
+be bit-for-bit the same whether its session runs alone, one token at a time (cloud-only), or as a
+block of k + 1 rows beside other sessions of other lengths (split, batched).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specsplit.cloud import cpu_kernels as kernels
+from specsplit.cloud.quantized import grid_share, quantize_int4, quantize_int8
+from specsplit.cloud.ragged import Segment
+from specsplit.cloud.target import Open, SessionParams, TargetModel, Verify
+from specsplit.shared.acceptance import Mode
+from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.tiny import make_tiny_qwen2
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
+
+GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
+
+
+def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:
+    """The float weights a quantised tensor stands for (the formats of cpu_kernels.c)."""
+    q, sc, d = tensors[:3]
+    n = q.shape[0]
+    per = k // 32 // d.shape[1]
+    scale = (sc.float() * d.repeat_interleave(per, 1))[..., None]  # [N, G, 1]
+    if fmt == "int8":
+        return (q.float().reshape(n, -1, 32) * scale).reshape(n, k)
+    mn, dm = tensors[3:]
+    packed = q.reshape(n, k // 32, 16)
+    levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [N, G, 32]
+    offset = (mn.float() * dm.repeat_interleave(per, 1))[..., None]
+    return (levels * scale - offset).reshape(n, k)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("k", [256, 96, 64])  # 8, 1 and 2 groups per super-block
+def test_gemm_equals_the_dequantised_product(fmt, k):
+    torch.manual_seed(0)
+    w = torch.randn(40, k) * 0.05
+    x = torch.randn(5, k)
+    tensors = quantize_int8(w) if fmt == "int8" else quantize_int4(w)
+    wd = dequantised(fmt, tensors, k)
+    assert (wd - w).norm() / w.norm() < (0.01 if fmt == "int8" else 0.15)
+    rows = kernels.QuantizedRows(x)
+    per = k // 32 // rows.xs.shape[1]
+    xd = rows.xq.float() * rows.xs.repeat_interleave(32 * per, 1)  # x as the kernel sees it
+    got = kernels.gemm(rows, *tensors)
+    torch.testing.assert_close(got, xd @ wd.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_row_does_not_depend_on_the_other_rows_or_threads(fmt):
+    torch.manual_seed(1)
+    w = torch.randn(72, 512) * 0.05
+    tensors = quantize_int8(w) if fmt == "int8" else quantize_int4(w)
+    x = torch.randn(11, 512)
+    together = kernels.gemm(kernels.QuantizedRows(x), *tensors)
+    for i in range(11):
+        alone = kernels.gemm(kernels.QuantizedRows(x[i : i + 1]), *tensors)
+        assert torch.equal(alone[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.gemm(kernels.QuantizedRows(x), *tensors), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_4bit_source_is_recognised_and_kept_on_its_grid():
+    """Groups dequantised from 4 bits (not all 16 levels used, stored in bfloat16) are found on
+    their grid; float weights are not."""
+    gen = torch.Generator().manual_seed(2)
+    levels = torch.randint(1, 14, (64, 16, 32), generator=gen).float()  # 13 levels of 16
+    step = torch.rand(64, 16, 1, generator=gen) * 0.01 + 0.001
+    w = (levels * step - 8 * step).reshape(64, 512).bfloat16().float()
+    assert grid_share(w) > 0.95
+    assert grid_share(torch.randn(64, 512, generator=gen)) < 0.05
+    wd = dequantised("int4", quantize_int4(w), 512)
+    # on the source's grid, only the 8-bit group scales err (min-max would err up to step/2)
+    assert ((wd - w).abs() / step.repeat_interleave(32, 1).reshape(64, 512)).max() < 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_qwen2(tmp_path_factory.mktemp("k") / "t", seed=3, hidden_size=64)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_logits_are_bitwise_the_same_alone_and_batched(tiny_dir, fmt):
+    """Sessions of different lengths advance together in ragged blocks of 1..6 rows; every row's
+    logits equal those of the same session stepped alone, one row per pass."""
+    target = TargetModel(tiny_dir, device="cpu", calibrate=False, weights=fmt)
+    forward = target.forward
+    rng = np.random.default_rng(4)
+    sequences = [rng.integers(0, 256, size=n).tolist() for n in (40, 3, 17, 28)]
+
+    def stepped_alone(seq):
+        slot = forward.slots.open(100)
+        forward([Segment(slot, seq[:1], want_logits=False)])
+        rows = [forward([Segment(slot, [t], want_logits=True)])[0] for t in seq[1:]]
+        forward.slots.free(100)
+        return torch.cat(rows)
+
+    alone = [stepped_alone(seq) for seq in sequences]
+    slots = [forward.slots.open(sid) for sid in range(len(sequences))]
+    forward(
+        [
+            Segment(slot, seq[:1], want_logits=False)
+            for slot, seq in zip(slots, sequences, strict=True)
+        ]
+    )
+    got = [[] for _ in sequences]
+    while any(slot.length < len(seq) for slot, seq in zip(slots, sequences, strict=True)):
+        segments, owners = [], []
+        for sid, (slot, seq) in enumerate(zip(slots, sequences, strict=True)):
+            if slot.length < len(seq):
+                n = int(rng.integers(1, 7))
+                segments.append(Segment(slot, seq[slot.length : slot.length + n], True))
+                owners.append(sid)
+        for sid, logits in zip(owners, forward(segments), strict=True):
+            got[sid].append(logits)
+    for sid, rows in enumerate(got):
+        assert torch.equal(torch.cat(rows), alone[sid]), sid
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_split_greedy_equals_cloud_only_greedy(tiny_dir, fmt):
+    """Verify rounds with drafts that are partly right give exactly the cloud-only tokens."""
+    target = TargetModel(tiny_dir, device="cpu", calibrate=False, weights=fmt)
+    prompt, n_new = [5, 9, 2, 77, 31], 24
+    target.run([Open(1, prompt, GREEDY)])
+    cloud_only = list(prompt)
+    while len(cloud_only) < len(prompt) + n_new:
+        [out], _ = target.run([Verify(1, len(cloud_only), [cloud_only[-1]])])
+        cloud_only.append(out.result.token)
+    target.end(1)
+    rng = np.random.default_rng(5)
+    target.run([Open(2, prompt, GREEDY)])
+    split = list(prompt)
+    while len(split) < len(prompt) + n_new:
+        truth = cloud_only[len(split) : len(split) + 5]
+        drafts = [t if rng.random() < 0.7 else int(rng.integers(0, 256)) for t in truth]
+        [out], _ = target.run([Verify(2, len(split), [split[-1], *drafts])])
+        split += out.result.emitted(drafts)
+    assert split[: len(cloud_only)] == cloud_only
+
+
+def test_quantised_weights_are_kept_and_reloaded(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    first = TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
+    assert list((tmp_path / "quantized").glob("*.pt"))
+    again = TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
+    logits = []
+    for target in (first, again):
+        slot = target.forward.slots.open(1)
+        logits.append(target.forward([Segment(slot, [1, 2, 3, 4], True)])[0])
+    assert torch.equal(*logits)

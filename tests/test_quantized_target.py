@@ -1,0 +1,60 @@
+"""The quantised target on real parts: `specsplit-cloud serve --weights int8|int4` (tritonserver +
+gateway) and ONNX Runtime drafts. "The target" is the model as served, so its own greedy output
+is cloud-only mode on the same server; split sessions of different lengths and block sizes,
+batched together, must equal it token for token (the kernels are batch-invariant)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from specsplit.cloud import cpu_kernels
+from specsplit.cloud.process import CloudProcess
+from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.drafter import OnnxDrafter
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cpu_kernels.available(), reason="needs the AVX2 CPU kernels"),
+]
+
+N_NEW = 24
+LENGTHS = [1, 5, 12, 30, 3, 47]
+
+
+async def _generate(address, drafter, prompt, mode, k):
+    async with SplitClient(address, drafter) as client:
+        gen = client.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, draft_tokens=k), mode)
+        await gen.collect()
+        return gen
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_batched_split_equals_the_served_targets_cloud_only(tiny, tmp_path, weights):
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in LENGTHS]
+
+    async def run(address):
+        cloud_only = await asyncio.gather(
+            *(_generate(address, None, p, "cloud-only", 1) for p in prompts)
+        )
+        # the target itself as a draft (all accepted) and an unrelated one (mostly rejected)
+        drafters = [OnnxDrafter(tiny.target_onnx if i % 2 else tiny.draft_onnx) for i in range(6)]
+        split = await asyncio.gather(
+            *(
+                _generate(address, d, p, "split", 1 + i % 5)
+                for i, (d, p) in enumerate(zip(drafters, prompts, strict=True))
+            )
+        )
+        return cloud_only, split
+
+    args = ("--target", str(tiny.target), "--weights", weights)
+    with CloudProcess(*args, log_dir=tmp_path) as cloud:
+        cloud_only, split = asyncio.run(run(cloud.address))
+    assert max(b for g in split for b in g.stats.batch_sessions) > 1, "no pass was shared"
+    for prompt, ref, got in zip(prompts, cloud_only, split, strict=True):
+        assert len(ref.token_ids) == N_NEW
+        assert got.token_ids == ref.token_ids, len(prompt)
+    assert any(g.stats.accepted for g in split)  # the target's own drafts were accepted
