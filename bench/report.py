@@ -271,7 +271,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         f"- Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} "
         f"{platform.machine()}, Python {sys.version.split()[0]}, no GPU.",
         f"- Target: `{Path(meta['target']).name}` in Triton (Python backend, torch, dtype "
-        f"{meta['target_dtype']}, auto = float32 on CPU), pinned to cores {meta['cloud_cores']}"
+        f"{meta['target_dtype']}; auto = the weights calibrated at load), "
+        f"pinned to cores {meta['cloud_cores']}"
         f" with {len(meta['cloud_cores'])} thread(s) in every mode.",
         f"- Draft: `{Path(meta['draft']).name}` in ONNX Runtime (CPU EP, "
         f"{meta['draft_precision']}), pinned to cores {meta['edge_cores']} "
