@@ -215,7 +215,7 @@ class TritonServer:
         threads: int | None = None,
         dtype: str = "auto",
         startup_timeout_s: float = 180.0,
-        weights: str = "auto",
+        weights: str | None = None,
         model_repository: Path = MODEL_REPOSITORY,
         log_verbose: int = 0,
         cpus: set[int] | None = None,
@@ -266,8 +266,9 @@ class TritonServer:
         extra = {
             "SPECSPLIT_TARGET_DIR": str(self.target_dir),
             "SPECSPLIT_TARGET_DTYPE": self.dtype,
-            "SPECSPLIT_TARGET_WEIGHTS": self.weights,
         }
+        if self.weights:  # else the model reads SPECSPLIT_TARGET_WEIGHTS as inherited, or auto
+            extra["SPECSPLIT_TARGET_WEIGHTS"] = self.weights
         if self.threads:
             extra["SPECSPLIT_TARGET_THREADS"] = str(self.threads)
         cmd = [

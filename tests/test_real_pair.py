@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.realmodels]
 EDGE = str(Path(sys.executable).parent / "specsplit-edge")
 
 PROMPT = "Write a Python function that checks whether a number is prime."
+OTHER = "Explain in one paragraph what a binary search tree is, then write one in Rust."
 N_NEW = 24
 
 
@@ -46,13 +47,20 @@ def test_real_pair_split_equals_target(pair, tmp_path):
     codec = TextCodec(draft_dir)
     prompt = codec.chat_prompt(PROMPT)
 
-    async def both(address):
-        cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=4)
+    other = codec.chat_prompt(OTHER)  # a second session of another length, batched with it
+
+    async def one(address, ids, mode, k):
+        cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=k)
         async with SplitClient(address, OnnxDrafter(draft_dir)) as client:
-            split = client.generate(prompt, cfg)
-            await split.collect()
-            cloud_only = client.generate(prompt, cfg, mode="cloud-only")
-            await cloud_only.collect()
+            gen = client.generate(ids, cfg, mode=mode)
+            await gen.collect()
+            return gen
+
+    async def both(address):
+        cloud_only = [await one(address, ids, "cloud-only", 1) for ids in (prompt, other)]
+        split = await asyncio.gather(
+            one(address, prompt, "split", 4), one(address, other, "split", 6)
+        )
         return split, cloud_only
 
     # Both CLIs with their defaults, as a user runs them: `specsplit-cloud serve` serves the
@@ -60,7 +68,7 @@ def test_real_pair_split_equals_target(pair, tmp_path):
     # the prompt in the chat template.
     # (--weights auto restores the default the test session's environment pins to float)
     with CloudProcess("--weights", "auto", log_dir=tmp_path) as cloud:
-        split, cloud_only = asyncio.run(both(cloud.address))
+        (split, split_other), (cloud_only, cloud_only_other) = asyncio.run(both(cloud.address))
         edge_cli = subprocess.run(
             [EDGE, "generate", "--server", cloud.address, "--prompt", PROMPT, "--json"]
             + ["--max-new-tokens", str(N_NEW)],
@@ -70,6 +78,7 @@ def test_real_pair_split_equals_target(pair, tmp_path):
         )
     assert edge_cli.returncode == 0, edge_cli.stderr
     assert split.token_ids == cloud_only.token_ids
+    assert split_other.token_ids == cloud_only_other.token_ids
     assert json.loads(edge_cli.stdout)["token_ids"] == cloud_only.token_ids
     assert "def " in codec.decode(cloud_only.token_ids)  # the served target still writes code
     # The pair agrees ~95% greedily on code: a low rate means a broken draft or verifier.
