@@ -16,7 +16,7 @@ TEMPERATURE ?= 0
 K ?= 4
 
 .PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick soak clean \
-	node-client
+	node-client bench-peers
 
 setup: $(STAMP)
 
@@ -68,6 +68,11 @@ bench-load: setup
 
 bench-load-quick: setup
 	$(PY) -m bench.load --quick
+
+# specsplit next to llama.cpp (alone and speculative) and transformers (alone and assisted) on
+# this CPU, one run: docs/peers.md. Builds llama.cpp's llama-server once into the model cache.
+bench-peers: setup
+	$(PY) -m bench.peers
 
 # 64 sessions for 10 minutes against a real serve (tiny models): 0 errors, flat RSS of every
 # process; writes docs/soak.md + docs/soak.png. make soak MINUTES=1 for a short run.

