@@ -26,7 +26,8 @@ groups (P = 8 where K allows, as llama.cpp's K-quants; b = g / P):
 #include <string.h>
 
 #define QK 32
-#define TILE 4
+#define TILE 4 /* gemm_column's switch covers remainders 1 .. TILE - 1 */
+_Static_assert(TILE == 4, "gemm_column handles remainders of up to 3 rows");
 #define MAX_HEAD_DIM 512 /* the Python side checks head_dim <= this and % 8 == 0 */
 
 static inline float hsum8(__m256 v) {
@@ -99,54 +100,61 @@ void specsplit_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, f
      int4:              w = d[n, b] * sc[n, g] * q - dm[n, b] * mn[n, g],  q in [0, 15]
    Per group and row the work is all-integer (a multiply-add of the weight's
    integer scale); floats only once per super-block. */
+/* One tile of rt rows (a compile-time constant after inlining, so the accumulators live in
+   registers) against column n. */
+static inline __attribute__((always_inline)) void gemm_tile(
+    const int four, const int rt, const int8_t *xq, const float *xs, const int32_t *xsum,
+    int64_t K, const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
+    const float *dm, int64_t N, float *out, int64_t n, int64_t r0) {
+    const int64_t P = per_block(K), G = K / QK, B = G / P;
+    const uint8_t *wrow = wq + n * (four ? K / 2 : K);
+    __m256 acc[TILE];
+    float offset[TILE];
+    for (int i = 0; i < rt; i++) {
+        acc[i] = _mm256_setzero_ps();
+        offset[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        __m256i sumi[TILE];
+        for (int i = 0; i < rt; i++) sumi[i] = _mm256_setzero_si256();
+        for (int64_t g = b * P; g < (b + 1) * P; g++) {
+            const __m256i scale = _mm256_set1_epi16(
+                four ? ((const uint16_t *)sc)[n * G + g] : ((const uint8_t *)sc)[n * G + g]);
+            const __m256i w = four ? unpack_q4(wrow + g * (QK / 2))
+                                   : _mm256_loadu_si256((const __m256i *)(wrow + g * QK));
+            const __m256i wabs = four ? w : _mm256_sign_epi8(w, w);
+            for (int i = 0; i < rt; i++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (r0 + i) * K + g * QK));
+                if (!four) x = _mm256_sign_epi8(x, w);
+                const __m256i p = _mm256_maddubs_epi16(wabs, x);
+                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_madd_epi16(p, scale));
+            }
+        }
+        for (int i = 0; i < rt; i++) {
+            const float dx = xs[(r0 + i) * B + b];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]),
+                                     _mm256_set1_ps(d[n * B + b] * dx), acc[i]);
+            if (four) { /* sum over the block's groups of mn * sum(xq): exact integers */
+                const int32_t mins = block_mins(mn + n * G + b * P, xsum + (r0 + i) * G + b * P, P);
+                offset[i] += (dm[n * B + b] * dx) * (float)mins;
+            }
+        }
+    }
+    for (int i = 0; i < rt; i++) out[(r0 + i) * N + n] = hsum8(acc[i]) - offset[i];
+}
+
 static inline __attribute__((always_inline)) void gemm_column(
     const int four, const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
     const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn, const float *dm,
     int64_t N, float *out, int64_t n) {
-    const int64_t P = per_block(K), G = K / QK, B = G / P;
-    const int64_t row_bytes = four ? K / 2 : K;
-    {
-        const uint8_t *wrow = wq + n * row_bytes;
-        for (int64_t r0 = 0; r0 < M; r0 += TILE) {
-            const int rt = M - r0 < TILE ? (int)(M - r0) : TILE;
-            __m256 acc[TILE];
-            float offset[TILE];
-            for (int i = 0; i < TILE; i++) {
-                acc[i] = _mm256_setzero_ps();
-                offset[i] = 0.0f;
-            }
-            for (int64_t b = 0; b < B; b++) {
-                __m256i sumi[TILE];
-                int32_t mins[TILE];
-                for (int i = 0; i < TILE; i++) {
-                    sumi[i] = _mm256_setzero_si256();
-                    mins[i] = 0;
-                }
-                for (int64_t g = b * P; g < (b + 1) * P; g++) {
-                    const __m256i scale = _mm256_set1_epi16(
-                        four ? ((const uint16_t *)sc)[n * G + g] : ((const uint8_t *)sc)[n * G + g]);
-                    const __m256i w = four ? unpack_q4(wrow + g * (QK / 2))
-                                           : _mm256_loadu_si256((const __m256i *)(wrow + g * QK));
-                    const __m256i wabs = four ? w : _mm256_sign_epi8(w, w);
-                    for (int i = 0; i < rt; i++) {
-                        const int64_t r = r0 + i;
-                        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + g * QK));
-                        if (!four) x = _mm256_sign_epi8(x, w);
-                        const __m256i p = _mm256_maddubs_epi16(wabs, x);
-                        sumi[i] = _mm256_add_epi32(sumi[i], _mm256_madd_epi16(p, scale));
-                    }
-                }
-                if (four)  /* sum over the block's groups of mn * sum(xq): exact integers */
-                    for (int i = 0; i < rt; i++) mins[i] = block_mins(mn + n * G + b * P, xsum + (r0 + i) * G + b * P, P);
-                for (int i = 0; i < rt; i++) {
-                    const float dx = xs[(r0 + i) * B + b];
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]),
-                                             _mm256_set1_ps(d[n * B + b] * dx), acc[i]);
-                    if (four) offset[i] += (dm[n * B + b] * dx) * (float)mins[i];
-                }
-            }
-            for (int i = 0; i < rt; i++) out[(r0 + i) * N + n] = hsum8(acc[i]) - offset[i];
-        }
+    int64_t r0 = 0;
+    for (; r0 + TILE <= M; r0 += TILE)
+        gemm_tile(four, TILE, xq, xs, xsum, K, wq, sc, d, mn, dm, N, out, n, r0);
+    switch (M - r0) { /* the same per-row work as in a full tile, fewer rows */
+    case 1: gemm_tile(four, 1, xq, xs, xsum, K, wq, sc, d, mn, dm, N, out, n, r0); break;
+    case 2: gemm_tile(four, 2, xq, xs, xsum, K, wq, sc, d, mn, dm, N, out, n, r0); break;
+    case 3: gemm_tile(four, 3, xq, xs, xsum, K, wq, sc, d, mn, dm, N, out, n, r0); break;
+    default: break;
     }
 }
 
