@@ -7,6 +7,11 @@ server's overheads (measured as round time minus verify time), and the target pa
 rows (the cloud reports it per verdict; sizes not seen yet are interpolated linearly). The cloud's
 max_draft_tokens_hint caps k. Unseen positions start from the session's overall acceptance, and
 that from a prior, so a few rounds suffice.
+
+Where extra rows cost target time (a compute-bound CPU target) one unlucky first round can make
+k = 0 look best, and a session that drafts nothing learns nothing more: while the best k is 0,
+every PROBE_AFTER-th round drafts the best k >= 1 anyway, whose verdict corrects the estimate
+(the cloud's hints probe the same way, capacity.CostModel.probe).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 PRIOR_ALPHA = 0.6  # before any verdict: a typical draft of the same family
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
 EMA = 0.3  # weight of the newest timing
+PROBE_AFTER = 4  # rounds at k = 0 before one round drafts again to re-measure acceptance
 
 
 def ema(old: float | None, new: float) -> float:
@@ -32,6 +38,7 @@ class DraftLength:
         self.draft_ms: float | None = None  # per drafted token, on the critical path
         self.fixed_ms: float | None = None  # round trip + server overheads, per round
         self.verify_ms: dict[int, float] = {}  # target pass by rows (k + 1)
+        self.idle = 0  # rounds in a row chosen at k = 0
 
     def observe(
         self,
@@ -83,4 +90,10 @@ class DraftLength:
             return cap
         gain = self.expected_tokens()[: cap + 1]
         cost = np.array([max(self.round_ms(k), 1e-3) for k in range(cap + 1)])
-        return int(np.argmax(gain / cost))
+        rate = gain / cost
+        best = int(np.argmax(rate))
+        self.idle = self.idle + 1 if best == 0 else 0
+        if best == 0 and cap >= 1 and self.idle > PROBE_AFTER:
+            self.idle = 0
+            return 1 + int(np.argmax(rate[1:]))  # a probe: see DraftLength's module docstring
+        return best

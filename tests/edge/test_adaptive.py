@@ -81,3 +81,24 @@ def test_cloud_led_reach_after_a_lead_block_extends_past_it():
     reach = _Reach(k_max=8, limit=16, sent=8)
     reach.observe(offset=0, verified=0, accepted=0)  # a verdict came: the usual rule from now
     assert reach.want(hint=8) == 8
+
+
+def test_a_bad_first_round_does_not_end_drafting_for_good():
+    """A compute-bound target (rows cost time) and one fully rejected first block make k = 0
+    look best; the chooser still drafts now and then, and good drafts bring k back."""
+    from specsplit.edge.adaptive import PROBE_AFTER
+
+    chooser = DraftLength(4)
+    chooser.observe(4, 0, verify_ms=330.0, round_ms=340.0, draft_ms=100.0)
+    chooser.observe(0, 0, verify_ms=160.0, round_ms=170.0)
+    ks = []
+    for _ in range(40):
+        k = chooser.choose(cap=4)
+        ks.append(k)
+        if k:  # the draft is in fact good: every drafted token accepted
+            chooser.observe(k, k, 160.0 + 42.0 * k, 170.0 + 42.0 * k, 25.0 * k)
+        else:
+            chooser.observe(0, 0, 160.0, 170.0)
+    assert ks[0] == 0  # the bad round is believed at first ...
+    assert 0 < ks.index(next(k for k in ks if k)) <= PROBE_AFTER + 1  # ... but probed
+    assert all(k >= 2 for k in ks[-10:])  # and drafting is back once drafts are accepted
