@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsplit.cloud.triton import pinned, stop_process_group
+from specsplit.cloud.triton import free_port, pinned, stop_process_group
 from specsplit.shared.steps import cache_dir, locked
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,20 @@ class LlamaServer:
         proc, self.proc = self.proc, None
         if proc is not None:
             stop_process_group(proc, grace_s=15.0, signal_group=True)
+
+
+def repack_works(binary: Path, model: Path, cpus: set[int], log: Path) -> bool:
+    """Whether this build's default (repacked weights) path survives a short generation on this
+    CPU: on some CPUs it segfaults, and ``--no-repack`` is the workaround."""
+    port = free_port()
+    cmd = server_command(binary, model, port, len(cpus))
+    try:
+        with LlamaServer(cmd, port, cpus, log) as server:
+            out, _ = server.complete([1, 2, 3, 4], 4)
+            return len(out.get("tokens", ())) > 0
+    except (RuntimeError, TimeoutError, OSError) as e:
+        logger.warning("llama-server's repacked weights fail on this CPU (%s): --no-repack", e)
+        return False
 
 
 def main() -> int:

@@ -288,7 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="make bench-peers", description=__doc__)
     p.add_argument("--quick", action="store_true", help="one prompt, 16 tokens: the plumbing")
     p.add_argument("--max-new-tokens", type=int, help="override the plan's length")
-    p.add_argument("--no-repack", action="store_true", help="llama.cpp: no repacked weights")
+    p.add_argument(
+        "--no-repack",
+        action=argparse.BooleanOptionalAction,
+        help="llama.cpp without its repacked weights (default: only if a probe shows that the "
+        "repacked path crashes on this CPU)",
+    )
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler()])
@@ -309,10 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="specsplit-peers-"))
     flags = llama_cpp.spec_flags(llama_cpp.server_help(binary))
     prompts = encoded_prompts(plan, models["target_hf"])
-    setup = Setup(
-        plan, prompts, models, binary, flags, args.no_repack, edge_cores, cloud_cores, logs
-    )  # fmt: skip
-    meta = run_meta(plan, rows, models, setup) | {"no_repack": args.no_repack}
+    no_repack, why = args.no_repack, "asked"
+    if no_repack is None:
+        log = logs / "llama-repack-probe.log"
+        no_repack = not llama_cpp.repack_works(binary, models["target_gguf"], cloud_cores, log)
+        why = "its repacked-weights path crashed on this CPU in the run's probe"
+    setup = Setup(plan, prompts, models, binary, flags, no_repack, edge_cores, cloud_cores, logs)
+    meta = run_meta(plan, rows, models, setup) | {"no_repack": why if no_repack else False}
     os.sched_setaffinity(0, edge_cores)  # this process hosts the edge's draft
     try:
         measure(rows, setup, raw, meta)

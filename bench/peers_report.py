@@ -215,7 +215,7 @@ def render(records: list[dict], meta: dict) -> str:
     rows = by_row(records)
     plan, best = meta["plan"], best_draft(rows)
     repack = (
-        "with `--no-repack`"
+        f"with `--no-repack` ({meta['no_repack']})"
         if meta.get("no_repack")
         else "with llama.cpp's default repacked weights"
     )
