@@ -110,6 +110,7 @@ def record(row: Row, prompt: dict, token_ids: list[int], wall_s: float, **extra)
         "threads": row.threads,
         "prompt_id": prompt["id"],
         "class": prompt["class"],
+        "prompt_len": len(prompt.get("ids", ())),
         "new_tokens": len(token_ids),
         "wall_s": wall_s,
         "tok_s": len(token_ids) / wall_s if wall_s else 0.0,
@@ -199,6 +200,7 @@ async def specsplit_generations(address: str, drafter, row: Row, setup: Setup) -
             wall = time.perf_counter() - t0
             s = gen.stats
             extra = {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds}
+            extra["ttft_s"] = s.ttft_s  # the prompt's pass(es) and the first token
             out.append(record(row, p, gen.token_ids, wall, stats_wall_s=s.wall_s, **extra))
     return out
 

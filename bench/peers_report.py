@@ -52,6 +52,20 @@ def tok_s(records: list[dict]) -> float:
     return sum(r["new_tokens"] for r in records) / wall if wall else 0.0
 
 
+def prompt_and_decode(records: list[dict]) -> tuple[float | None, float | None]:
+    """(ms per prompt token, tokens/s after the first): llama.cpp's own timings, or specsplit's
+    time to first token; None where the row reports neither (transformers)."""
+    if all("prompt_ms" in r and "predicted_ms" in r for r in records):
+        prompt = sum(r["prompt_ms"] for r in records) / sum(r["prompt_n"] for r in records)
+        decode = sum(r["predicted_n"] for r in records) / sum(r["predicted_ms"] for r in records)
+        return prompt, decode * 1e3
+    if all(r.get("ttft_s") is not None and "prompt_len" in r for r in records):
+        prompt = sum(r["ttft_s"] for r in records) * 1e3 / sum(r["prompt_len"] for r in records)
+        after = sum(r["wall_s"] - r["ttft_s"] for r in records)
+        return prompt, sum(r["new_tokens"] - 1 for r in records) / after if after else None
+    return None, None
+
+
 def by_row(records: list[dict]) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = defaultdict(list)
     for r in records:
@@ -109,6 +123,8 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
                 "prose": tok_s(by_class["prose"]) if by_class["prose"] else None,
                 "tokens": sum(r["new_tokens"] for r in recs),
                 "acceptance": acceptance(recs),
+                "prompt_ms": prompt_and_decode(recs)[0],
+                "decode": prompt_and_decode(recs)[1],
                 "same": agreement(recs, rows.get(REFERENCE, [])),
             }
         )
@@ -122,9 +138,10 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
 def markdown_table(summ: list[dict]) -> str:
     head = (
         "| # | setup | cores | tok/s | × llama.cpp 2 threads | code tok/s | prose tok/s "
-        "| new tokens | acceptance | greedy output = specsplit cloud-only |"
+        "| prompt ms/token | decode tok/s | new tokens | acceptance "
+        "| greedy output = specsplit cloud-only |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for i, s in enumerate(summ, 1):
         cells = (
             str(i),
@@ -134,6 +151,8 @@ def markdown_table(summ: list[dict]) -> str:
             _num(s["vs_base"], "{:.2f}×"),
             _num(s["code"]),
             _num(s["prose"]),
+            _num(s["prompt_ms"], "{:.0f}"),
+            _num(s["decode"]),
             str(s["tokens"]),
             _num(s["acceptance"]),
             s["same"],
@@ -233,6 +252,9 @@ most {plan["max_new_tokens"]} new tokens, stopping at the end tokens as specspli
 whose outputs differ may generate different counts: see "new tokens"). tok/s is new tokens over
 wall time at the client, from the request to its last token, summed over the prompts; each
 server gets one untimed warm-up first. The rows run one after another, not interleaved.
+"prompt ms/token" and "decode tok/s" split that time: the prompt's pass over its tokens, and
+the tokens after the first over the time after it (llama.cpp's own timings; specsplit's time to
+first token at the client; transformers reports neither).
 
 {markdown_table(summary(rows))}
 
