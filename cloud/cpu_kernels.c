@@ -177,15 +177,19 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
     return hsum8(acc);
 }
 
-/* One layer's attention for every segment of a ragged pass.
+/* Layer `layer`'s attention for every segment of a ragged pass.
    q [R, H, D], k_new/v_new [R, KVH, D] (rotated keys); segment s owns rows
-   [row0[s], row0[s] + len[s]) at positions [start[s], start[s] + len[s]) and its layer cache
-   at cache[s]: [2, KVH, cap[s], D] floats. Writes the new keys/values into the caches, then
-   out [R, H, D]: row i of a segment attends to positions 0..start + i, in position order. */
+   [row0[s], row0[s] + len[s]) at positions [start[s], start[s] + len[s]) and the KV slot
+   slot[s]: [layers, 2, KVH, cap[s], D] floats. Writes the new keys/values into the layer's
+   cache, then out [R, H, D]: row i of a segment attends to positions 0..start + i, in
+   position order. */
 void specsplit_attention(const float *q, const float *k_new, const float *v_new, int64_t H,
-                         int64_t KVH, int64_t D, int64_t nseg, float *const *cache,
-                         const int64_t *cap, const int64_t *start, const int64_t *len,
-                         const int64_t *row0, float scale, float *out, int nt) {
+                         int64_t KVH, int64_t D, int64_t nseg, float *const *slot,
+                         int64_t layer, const int64_t *cap, const int64_t *start,
+                         const int64_t *len, const int64_t *row0, float scale, float *out,
+                         int nt) {
+    float **cache = malloc(sizeof(float *) * (nseg > 0 ? nseg : 1));
+    for (int64_t s = 0; s < nseg; s++) cache[s] = slot[s] + layer * 2 * KVH * cap[s] * D;
     int64_t rows = 0;
     for (int64_t s = 0; s < nseg; s++) {
         for (int64_t i = 0; i < len[s]; i++)
@@ -234,5 +238,6 @@ void specsplit_attention(const float *q, const float *k_new, const float *v_new,
         free(p);
     }
     free(seg_of);
+    free(cache);
 }
 

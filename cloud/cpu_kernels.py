@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -41,8 +42,8 @@ _SIGNATURES = {
     "specsplit_has_avx2": [],
     "specsplit_quantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT],
     "specsplit_gemm": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
-    "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _F32, _P]
-    + [_INT],
+    "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F32]
+    + [_P, _INT],
 }
 
 
@@ -149,41 +150,52 @@ def gemm(
     return out
 
 
+class RaggedBatch:
+    """A ragged pass's segments as the attention kernel reads them, built once per pass and
+    read by every layer: each segment's whole KV slot (``[layers, 2, kv_heads, capacity,
+    head_dim]`` float32, already reserved for the pass), where its new rows go and how many."""
+
+    def __init__(self, slots: list[torch.Tensor], starts: list[int], lengths: list[int]):
+        for kv in slots:
+            if not kv.is_contiguous() or kv.dtype != torch.float32:
+                raise ValueError("KV slots must be contiguous float32")
+        n = len(slots)
+        i64 = ctypes.c_int64 * n
+        self.slots = slots  # held: the kernel writes into their memory
+        self.count = n
+        self.bases = (ctypes.c_void_p * n)(*[kv.data_ptr() for kv in slots])
+        self.capacities = i64(*[kv.shape[3] for kv in slots])
+        self.starts, self.lengths = i64(*starts), i64(*lengths)
+        self.row0 = i64(*list(itertools.accumulate(lengths, initial=0))[:n])
+
+
 def attention(
     q: torch.Tensor,  # [R, H, D] float32, rotated
     k: torch.Tensor,  # [R, KVH, D] float32, rotated
     v: torch.Tensor,  # [R, KVH, D]
-    caches: list[torch.Tensor],  # per segment: this layer's [2, KVH, capacity, D] view
-    starts: list[int],
-    lengths: list[int],
+    batch: RaggedBatch,
+    layer: int,
     scale: float,
 ) -> torch.Tensor:
-    """Writes each segment's new keys/values at ``start`` in its cache, then returns the
+    """Writes each segment's new keys/values of ``layer`` into its slot, then returns the
     causal attention of every row over its own session's positions ``0..start + i``."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # held: C reads their memory
     rows, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    for c in caches:
-        assert c.is_contiguous() and c.dtype == torch.float32
-    n = len(caches)
-    i64 = ctypes.c_int64 * n
-    row0 = [0] * n
-    for s in range(1, n):
-        row0[s] = row0[s - 1] + lengths[s - 1]
     out = torch.empty_like(q)
     library().specsplit_attention(
         _ptr(q),
         _ptr(k),
         _ptr(v),
         heads,
-        kv_heads,
+        k.shape[1],
         dim,
-        n,
-        (ctypes.c_void_p * n)(*[c.data_ptr() for c in caches]),
-        i64(*[c.shape[2] for c in caches]),
-        i64(*starts),
-        i64(*lengths),
-        i64(*row0),
+        batch.count,
+        batch.bases,
+        layer,
+        batch.capacities,
+        batch.starts,
+        batch.lengths,
+        batch.row0,
         scale,
         _ptr(out),
         _threads(),

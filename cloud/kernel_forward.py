@@ -128,6 +128,7 @@ class KernelForward:
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, head_dim]
         rows = x.shape[0]
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        batch = kernels.RaggedBatch([seg.slot.kv for seg in segments], starts, lengths)
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(kernels.QuantizedRows(layer.input_norm(x)))
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
@@ -135,16 +136,8 @@ class KernelForward:
             k = k.reshape(rows, self.kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            caches = [seg.slot.kv[li] for seg in segments]
-            attn = kernels.attention(
-                q,
-                k,
-                v.reshape(rows, self.kv_heads, self.head_dim),
-                caches,
-                starts,
-                lengths,
-                self.scale,
-            )
+            v = v.reshape(rows, self.kv_heads, self.head_dim)
+            attn = kernels.attention(q, k, v, batch, li, self.scale)
             x = x + layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
             gate, up = layer.gate_up(kernels.QuantizedRows(layer.post_norm(x))).chunk(2, dim=-1)
             x = x + layer.down(kernels.QuantizedRows(layer.act(gate) * up))
