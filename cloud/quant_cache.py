@@ -4,7 +4,8 @@ Quantising the 1.5B target (finding each 4-bit group's own grid) takes about a m
 core; every Triton start (tests, a supervisor's restart, a replica) would pay it. The result is
 stored under ``cache_dir()/quantized/<key>.pt`` and loaded with mmap. The key covers everything
 the result depends on: the model's weight files (name, size, mtime), the format, and the source
-of the quantiser and the kernels' formats; a changed file or quantiser makes a new entry.
+of the quantiser (``cloud.quantized``, which lays out the tensors the kernels read); a changed
+file or quantiser makes a new entry. A change to the kernels alone keeps the entry.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specsplit.cloud import cpu_kernels, quantized
+from specsplit.cloud import quantized
 from specsplit.shared.steps import cache_dir, locked
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,8 @@ def key(model_dir: str | Path, weights: str, four_bit: bool) -> str:
         for p in model_dir.iterdir()
         if p.suffix in (".safetensors", ".bin", ".json")
     )
-    code = [Path(m.__file__).read_bytes() for m in (quantized,)] + [cpu_kernels.SOURCE.read_bytes()]
     facts = json.dumps([str(model_dir), files, weights, four_bit]).encode()
-    return hashlib.sha256(facts + b"".join(code)).hexdigest()[:24]
+    return hashlib.sha256(facts + Path(quantized.__file__).read_bytes()).hexdigest()[:24]
 
 
 def _path(cache_key: str) -> Path:

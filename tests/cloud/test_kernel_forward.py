@@ -156,6 +156,11 @@ def test_quantised_weights_are_kept_and_reloaded(tiny_dir, tmp_path, monkeypatch
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
     first = TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
     assert list((tmp_path / "quantized").glob("*.pt"))
+
+    def no_quantising(*args):
+        raise AssertionError("quantised again instead of loading the kept weights")
+
+    monkeypatch.setattr("specsplit.cloud.kernel_forward.quantize_layer", no_quantising)
     again = TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
     logits = []
     for target in (first, again):
