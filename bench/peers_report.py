@@ -112,6 +112,7 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
         recs = rows[key]
         rate = tok_s(recs)
         by_class = {c: [r for r in recs if r["class"] == c] for c in ("code", "prose")}
+        prompt_ms, decode = prompt_and_decode(recs)
         out.append(
             {
                 "key": key,
@@ -123,8 +124,8 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
                 "prose": tok_s(by_class["prose"]) if by_class["prose"] else None,
                 "tokens": sum(r["new_tokens"] for r in recs),
                 "acceptance": acceptance(recs),
-                "prompt_ms": prompt_and_decode(recs)[0],
-                "decode": prompt_and_decode(recs)[1],
+                "prompt_ms": prompt_ms,
+                "decode": decode,
                 "same": agreement(recs, rows.get(REFERENCE, [])),
             }
         )
