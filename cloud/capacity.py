@@ -160,16 +160,38 @@ def block_hint(
 class Acceptance:
     """Per-draft acceptance a over recent speculative rounds: the maximum-likelihood estimate
     accepted / (accepted + rejections) under the i.i.d. model behind E(k), with older rounds
-    decaying so the estimate follows the traffic."""
+    decaying so the estimate follows the traffic.
 
-    def __init__(self, decay: float = 0.98, prior: float = 0.8, prior_weight: float = 5.0):
-        self.decay = decay
-        self.accepted, self.rejected = prior * prior_weight, (1 - prior) * prior_weight
+    Where extra rows cost time (a compute-bound CPU target), a few early rejections can make the
+    hint ask for no drafts; then no round brings evidence, and the low estimate would forbid
+    drafting for good. So every pass that carried no draft because the last hint forbade them
+    (``idle``) pulls the estimate back towards the prior, quickly: a few such passes and the hint
+    asks for drafts again, whose verdicts then say whether they pay (as ``CostModel.probe``
+    does for costs). Passes without drafts for other reasons (a cloud-led step whose drafts
+    are still on their way) say nothing about acceptance and leave it alone."""
+
+    def __init__(
+        self,
+        decay: float = 0.98,
+        prior: float = 0.8,
+        prior_weight: float = 5.0,
+        idle_decay: float = 0.7,
+    ):
+        self.decay, self.idle_decay = decay, idle_decay
+        self.prior_accepted, self.prior_rejected = prior * prior_weight, (1 - prior) * prior_weight
+        self.accepted, self.rejected = self.prior_accepted, self.prior_rejected
 
     def observe(self, accepted: int, drafted: int) -> None:
         if drafted > 0:
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
+
+    def idle(self) -> None:
+        """A pass of speculative sessions without a draft after a hint of 0: back towards the
+        prior."""
+        keep = self.idle_decay
+        self.accepted = keep * self.accepted + (1 - keep) * self.prior_accepted
+        self.rejected = keep * self.rejected + (1 - keep) * self.prior_rejected
 
     @property
     def rate(self) -> float:

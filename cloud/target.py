@@ -285,6 +285,8 @@ class TargetModel:
             self.cost.observe(rows, ms)
         spec = [req for _, req, s in verifies if s.params.speculative]
         spec_rows = sum(len(req.tokens) for req in spec)
+        if spec and spec_rows == len(spec) and self.last_pass.block_hint == 0:
+            self.acceptance.idle()  # no drafts because the hint forbade them (Acceptance.idle)
         other = [req for _, req, s in verifies if not s.params.speculative]
         hint = block_hint(
             self.cost,

@@ -123,3 +123,22 @@ def test_step_time_is_the_pass_itself_where_rows_are_free():
         for _ in range(3):
             steps.observe(rows, 0, 20.0)
     assert steps.ms == pytest.approx(20.0)
+
+
+def test_hint_of_no_drafts_does_not_last_for_good():
+    """A compute-bound target (rows cost time) and early rejections make the hint ask for no
+    drafts; the passes that follow carry none, so no verdict can raise the estimate. Those idle
+    passes pull it back to the prior, and within a few the hint asks for drafts again."""
+    cost = CostModel()
+    for rows, ms in ((1, 140.0), (2, 190.0), (4, 250.0), (8, 420.0), (16, 760.0)):
+        for _ in range(3):
+            cost.observe(rows, ms)
+    acc = Acceptance()
+    for _ in range(15):
+        acc.observe(0, 4)  # blocks rejected outright, one after another
+    hints = [block_hint(cost, 1, 0, 0, acc.rate, k_max=16)]
+    while hints[-1] == 0 and len(hints) < 50:
+        acc.idle()  # the pass the hint asked for: this session drafted nothing
+        hints.append(block_hint(cost, 1, 0, 0, acc.rate, k_max=16))
+    assert hints[0] == 0
+    assert 1 < len(hints) <= 6 and hints[-1] > 0

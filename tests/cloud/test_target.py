@@ -1,5 +1,7 @@
 """TargetModel without Triton: one forward per round, exact cache cropping, sessions isolated."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -99,3 +101,18 @@ def test_logits_match_transformers(target, target_dir):
     expect_n = next((i for i in range(3) if full[2 + i] != seq[3 + i]), 3)
     assert r.accepted == expect_n
     assert r.token == full[2 + expect_n]
+
+
+def test_steps_without_drafts_after_a_hint_of_none_revive_the_acceptance_estimate(target):
+    """Early rejections made the hint 0, so the session's rounds carry no drafts and bring no
+    evidence: those passes pull the estimate back until the hint asks for drafts again. Steps
+    without drafts under a hint that allowed them say nothing and leave it alone."""
+    target.start(1, [5, 9, 2], GREEDY)
+    for _ in range(15):
+        target.acceptance.observe(0, 4)
+    low = target.acceptance.rate
+    target.verify(1, 3, [2])  # the hint (MAX_BLOCK so far) allowed drafts: none came, by choice
+    assert target.acceptance.rate == low
+    target.last_pass = replace(target.last_pass, block_hint=0)
+    target.verify(1, 4, [7])
+    assert target.acceptance.rate > low
