@@ -1,4 +1,5 @@
-"""Who may open a session now: per-token quotas and the target's KV memory budget (DESIGN §8).
+"""Who may open a session now: the one owner of how many sessions and how much memory
+(DESIGN §8): a cap on streams at once, per-token quotas and the target's KV memory budget.
 
 A bare session count admits 64 one-token prompts and 64 max_context ones alike, though the
 second set holds orders of magnitude more KV memory in Triton. So every admitted session
@@ -9,7 +10,8 @@ values of every layer. A session needs at most prompt + max_new_tokens committed
 target may hold; a Start that would exceed it is refused with RESOURCE_EXHAUSTED and a retry
 hint, and its reservation is released exactly once, however the session ends.
 
-A quota caps the streams one client holds at once: one bearer token when the port requires
+The cap counts every open stream, admitted or still waiting for its Start. A quota caps the
+streams one client holds at once: one bearer token when the port requires
 tokens, else one peer address. The token itself is never stored or logged, only a digest.
 """
 
@@ -119,15 +121,20 @@ class Admission:
         budget_bytes: int | None = None,
         per_client: int | None = None,
         max_block: int = 16,
+        max_sessions: int = 64,
     ):
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
         if budget_bytes is not None and kv is None:
             raise ValueError("a KV budget needs the model's KV shape")
         if per_client is not None and per_client < 1:
             raise ValueError("sessions per token must be >= 1")
         self.kv, self.budget_bytes, self.per_client = kv, budget_bytes, per_client
         self.max_block = max_block  # a verification block in flight also takes positions
+        self.max_sessions = max_sessions  # streams at once, admitted or waiting for their Start
         self.reserved_bytes = 0
-        self.streams: Counter[str] = Counter()
+        self.open = 0  # streams entered and not left
+        self.streams: Counter[str] = Counter()  # per client: its open streams
         self.live: list[Ticket] = []  # admitted sessions, oldest first
         self.mean_session_s = 1.0  # learnt from sessions that ended; seeds the retry hint
 
@@ -138,6 +145,13 @@ class Admission:
 
     def enter(self, client: str | None) -> Ticket:
         """A new stream from ``client`` (a digest or an address; None: no quota applies)."""
+        if self.open >= self.max_sessions:
+            wait_ms = self.retry_after_ms()
+            raise Refused(
+                f"server at its limit of {self.max_sessions} sessions; retry in {wait_ms} ms, "
+                "or on another replica",
+                retry_after_ms=wait_ms,
+            )
         if self.per_client is not None and client is not None:
             if self.streams[client] >= self.per_client:
                 raise Refused(
@@ -145,6 +159,7 @@ class Admission:
                     f"{self.per_client}; finish one before opening another"
                 )
             self.streams[client] += 1
+        self.open += 1
         return Ticket(self, client if self.per_client is not None else None)
 
     def _reserve(self, ticket: Ticket, tokens: int) -> None:
@@ -174,6 +189,7 @@ class Admission:
         self.mean_session_s = 0.9 * self.mean_session_s + 0.1 * lasted
 
     def _leave(self, ticket: Ticket) -> None:
+        self.open -= 1
         if ticket.client is not None:
             self.streams[ticket.client] -= 1
             if self.streams[ticket.client] <= 0:

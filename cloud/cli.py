@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specsplit.cloud.admission import Admission, KVShape, default_budget_bytes
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
-from specsplit.cloud.limits import Limits
+from specsplit.cloud.limits import GatewayLimits
 from specsplit.cloud.metrics import serve_metrics
 from specsplit.cloud.replicas import parse_urls
 from specsplit.cloud.security import Security, load_tokens
@@ -63,9 +63,8 @@ def _security(args: argparse.Namespace) -> Security:
     return security
 
 
-def _limits(args: argparse.Namespace) -> Limits:
-    return Limits(
-        max_sessions=args.max_sessions,
+def _limits(args: argparse.Namespace) -> GatewayLimits:
+    return GatewayLimits(
         start_timeout_s=args.start_deadline,
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
@@ -90,7 +89,9 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
     else:
         raise ValueError("--kv-budget-mib must be > 0")
     log.info("KV budget %.0f MiB at %d bytes a token", budget / 2**20, kv.bytes_per_token)
-    return Admission(kv, budget, per_client=args.sessions_per_token)
+    if args.max_sessions < 1:
+        raise ValueError("--max-sessions must be >= 1")
+    return Admission(kv, budget, per_client=args.sessions_per_token, max_sessions=args.max_sessions)
 
 
 async def serve(args: argparse.Namespace) -> int:

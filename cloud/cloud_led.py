@@ -1,4 +1,5 @@
-"""Cloud-led sessions (Start.cloud_led, DESIGN §7): the target never waits for the network.
+"""Cloud-led sessions (session mode CLOUD_LED, DESIGN §7): the target never waits for the
+network.
 
 The target steps continuously, as in cloud-only. A reader task takes Drafts as they arrive into
 a small pool; before every step the most recently received Draft consistent with the committed
@@ -29,11 +30,13 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from specsplit.cloud.limits import next_message
-from specsplit.cloud.session import Code, Finish, ProtocolError, Session
-from specsplit.shared.acceptance import Mode
+from specsplit.cloud.messages import next_draft
+from specsplit.cloud.round import Round
+from specsplit.cloud.session import Code, Finish, ProtocolError
+from specsplit.shared.protocol import pb
 from specsplit.shared.sampling import SparseDist
 
 POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
@@ -109,9 +112,12 @@ class DraftPool:
         return best, tokens, [] if best.q is None else best.q[off : off + limit]
 
 
-async def cloud_led_rounds(service, session: Session, triton, it, first=None):
+async def cloud_led_rounds(
+    step: Round, messages, first: PendingDraft | None = None
+) -> AsyncIterator[pb.Verdict]:
     """Verdicts of a cloud-led session, one per target step, until generation ends; ``first``:
     the Draft.lead that switched a lock-step session, verified by the first step."""
+    session = step.session
     pool = DraftPool()
     if first is not None:
         pool.add(first)
@@ -120,23 +126,16 @@ async def cloud_led_rounds(service, session: Session, triton, it, first=None):
 
     async def read() -> None:
         try:  # no idle timeout: the edge may stop drafting while the cloud streams on
-            while (msg := await next_message(it, None, "Draft or Finish")) is not None:
-                kind = msg.WhichOneof("msg")
-                if kind == "finish":
+            while (d := await next_draft(messages, None)) is not None:
+                if isinstance(d, pb.Finish):
                     break
-                if kind != "draft":
-                    raise ProtocolError(Code.FAILED_PRECONDITION, f"unexpected {kind} after Start")
-                d = msg.draft
                 if session.finish is not Finish.NONE:
                     continue  # sent before the client heard the final verdict: not an error
                 if d.lead:
                     raise ProtocolError(
                         Code.INVALID_ARGUMENT, "Draft.lead is only valid in a lock-step session"
                     )
-                session.check_draft(
-                    d.base_len, d.tokens, len(d.q), exact_base=False, continues=d.continues
-                )
-                q = service._parse_q(d) if session.mode is Mode.REJECTION else None
+                q = step.check(d, exact_base=False)
                 draft = PendingDraft(d.round, d.base_len, list(d.tokens), q)
                 pool.add(draft, d.continues, session.committed_len)
             else:
@@ -157,7 +156,7 @@ async def cloud_led_rounds(service, session: Session, triton, it, first=None):
             t0 = time.perf_counter()
             draft, tokens, q = pool.take(session.committed, limit)
             round_no = draft.round if draft is not None else 0  # a continuation may come in
-            verdict = await service._round(session, triton, tokens, q or None, t0)
+            verdict = await step.verify(tokens, q or None, t0)
             verdict.round = round_no
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
@@ -169,7 +168,7 @@ async def cloud_led_rounds(service, session: Session, triton, it, first=None):
         raise
     else:
         # Never cancelled mid-read (that closes the request stream): it reads on, dropping
-        # late Drafts, until the client half-closes (cloud/limits.py until_half_close).
+        # late Drafts, until the client half-closes (cloud/messages.py until_half_close).
         session.reader = reader
     finally:
         session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)

@@ -25,7 +25,7 @@ from specsplit.cloud.triton_client import (
     MODEL_NAME,
     SessionLost,
     TritonRequestError,
-    TritonSession,
+    TritonSequence,
     TritonUnavailable,
     VerifyReply,
 )
@@ -40,11 +40,11 @@ END_RETRY_S = (0.0, 0.5, 2.0)
 
 
 class Lease:
-    """TritonSession's calls, each shielded from the caller's cancellation, on one replica of
+    """TritonSequence's calls, each shielded from the caller's cancellation, on one replica of
     ``replicas``; a session whose replica failed (or lost it) re-opens from its committed prefix
     on a replica that is up; ``release`` always frees what START allocated."""
 
-    def __init__(self, replicas: ReplicaSet, factory: Callable[[object], TritonSession]):
+    def __init__(self, replicas: ReplicaSet, factory: Callable[[object], TritonSequence]):
         self.replicas = replicas
         self.factory = factory
         self.replica: Replica = replicas.place()

@@ -1,9 +1,10 @@
 """Prometheus metrics of the gateway (DESIGN §9), named after vLLM's spec-decode metrics.
 
 Observed from the protocol itself: ``GatewayMetrics.instrument`` wraps the Generate handler and
-sees each ClientMessage (Start: the stream's mode; Draft: its block size), each ServerMessage
-(Verdict: accepted tokens, bonus, timings; Finished: the reason) and the status the stream ends
-with. The edge counts its ``GenerationStats`` from the same messages, so the two agree exactly.
+sees each ClientMessage (Start: the stream's mode), each ServerMessage (Verdict: the draft
+tokens its step verified, accepted tokens, bonus, timings; Finished: the reason) and the status
+the stream ends with. The edge counts its ``GenerationStats`` from the same messages, so the
+two agree exactly.
 
 Vocabulary (vLLM's): a *draft* is one block of k > 0 proposed tokens verified in one round; its
 *accepted* tokens are the leading drafts the target kept; *emitted* = accepted + the correction or
@@ -19,16 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specsplit.shared.protocol import pb
+from specsplit.shared.protocol import pb, session_mode_of
+from specsplit.shared.session_mode import SessionMode
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,7 @@ _FINISH[0] = ""
 class _Stream:
     """What one Generate stream has shown so far."""
 
-    mode: str = "none"  # "split" or "cloud_only" once Start arrived
-    pending: deque[int] = field(default_factory=deque)  # block sizes awaiting their verdict
-    cloud_led: bool = False  # Started said so: every Verdict carries drafts_verified
+    mode: str = "none"  # "split" or "cloud-only" once Start arrived
     outcome: str = ""  # the finish reason, once Finished is sent
 
 
@@ -185,22 +184,15 @@ class GatewayMetrics:
         self.bytes_in.inc(msg.ByteSize())
         kind = msg.WhichOneof("msg")
         if kind == "start":
-            stream.mode = "cloud_only" if msg.start.cloud_only else "split"
-        elif kind == "draft" and not stream.cloud_led:
-            stream.pending.append(len(msg.draft.tokens))
+            stream.mode = _mode_label(msg.start)
 
     def observe_response(self, stream: _Stream, msg: pb.ServerMessage) -> None:
         self.bytes_out.inc(msg.ByteSize())
         kind = msg.WhichOneof("msg")
-        if kind == "started":
-            # cloud-led: Drafts and Verdicts do not pair up; each Verdict says what it verified
-            stream.cloud_led = msg.started.cloud_led
         if kind == "verdict":
-            if stream.cloud_led:
-                k = msg.verdict.drafts_verified
-            else:
-                k = stream.pending.popleft() if stream.pending else 0
-            self.observe_verdict(stream.mode, k, msg.verdict)
+            # Every Verdict says how many draft tokens its step verified, in every mode (a
+            # lock-step stream may turn cloud-led mid-way, where Drafts and Verdicts do not pair).
+            self.observe_verdict(stream.mode, msg.verdict.drafts_verified, msg.verdict)
         elif kind == "finished":
             stream.outcome = _FINISH.get(msg.finished.reason, "")
 
@@ -266,3 +258,11 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Threadin
     server, _thread = start_http_server(port, addr=host, registry=registry)
     log.info("metrics on http://%s:%d/metrics", host, server.server_port)
     return server
+
+
+def _mode_label(start: pb.Start) -> str:
+    try:
+        cloud_only = session_mode_of(start) is SessionMode.CLOUD_ONLY
+    except ValueError:  # refused by the handler: counted as what it asked for first
+        cloud_only = start.cloud_only
+    return str(SessionMode.CLOUD_ONLY) if cloud_only else "split"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from specsplit.cloud.limits import before_refusing
+from specsplit.cloud.messages import before_refusing
 
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 

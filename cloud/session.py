@@ -73,7 +73,7 @@ def check_ids(tokens: Sequence[int], vocab_size: int, what: str) -> None:
 
 
 @dataclass
-class Session:
+class GatewaySession:
     limits: ModelLimits
     prompt: list[int]
     sampling: SamplingConfig

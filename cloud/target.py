@@ -61,7 +61,7 @@ class Verified:
 
 
 @dataclass
-class _Session:
+class _Sequence:
     params: SessionParams
     slot: Slot
     last_used: float = field(default_factory=time.monotonic)
@@ -164,7 +164,7 @@ class TargetModel:
         self.config = self.forward.config
         self.model = getattr(self.forward, "model", None)  # the torch model (float path only)
         self.vocab_size = int(self.config.vocab_size)
-        self.sessions: dict[int, _Session] = {}
+        self.sessions: dict[int, _Sequence] = {}
         self.forward_passes = 0
         self.cost = CostModel()
         self.acceptance = Acceptance()
@@ -224,8 +224,8 @@ class TargetModel:
 
     def _run_group(self, requests: Sequence[Request]) -> tuple[list, PassInfo | None]:
         outcomes: list = [None] * len(requests)
-        verifies: list[tuple[int, Verify, _Session]] = []
-        prefills: list[tuple[int, _Session, list[int]]] = []
+        verifies: list[tuple[int, Verify, _Sequence]] = []
+        prefills: list[tuple[int, _Sequence, list[int]]] = []
         for i, req in enumerate(requests):
             try:
                 if isinstance(req, Close):
@@ -299,7 +299,7 @@ class TargetModel:
         self.last_pass = PassInfo(rows, len(segments), ms, hint)
         return self.last_pass
 
-    def _finish(self, req: Verify, session: _Session, logits, pass_ms: float):
+    def _finish(self, req: Verify, session: _Sequence, logits, pass_ms: float):
         t0 = time.perf_counter()
         drafts = list(req.tokens[1:])
         try:
@@ -316,16 +316,16 @@ class TargetModel:
             self.end(req.sid)
         return Verified(result, pass_ms + (time.perf_counter() - t0) * 1e3)
 
-    def _open(self, req: Open) -> tuple[_Session, list[int]]:
+    def _open(self, req: Open) -> tuple[_Sequence, list[int]]:
         if not req.prompt:
             raise ValueError("prompt must hold at least one token")
         self._check_ids(req.prompt)
         self.end(req.sid)
-        session = _Session(params=req.params, slot=self.forward.slots.open(req.sid))
+        session = _Sequence(params=req.params, slot=self.forward.slots.open(req.sid))
         self.sessions[req.sid] = session
         return session, list(req.prompt[:-1])
 
-    def _checked(self, req: Verify) -> _Session:
+    def _checked(self, req: Verify) -> _Sequence:
         session = self._get(req.sid)
         if req.base_len != session.cache_len + 1:
             raise ValueError(f"base_len {req.base_len} != committed_len {session.cache_len + 1}")
@@ -370,7 +370,7 @@ class TargetModel:
     def kv_bytes(self) -> int:
         return self.forward.slots.bytes_held
 
-    def _get(self, sid: int) -> _Session:
+    def _get(self, sid: int) -> _Sequence:
         try:
             return self.sessions[sid]
         except KeyError:

@@ -94,7 +94,7 @@ def _classify(error: Exception) -> Exception:
     return TritonRequestError(msg)
 
 
-class TritonSession:
+class TritonSequence:
     def __init__(self, client: aioclient.InferenceServerClient):
         self.client = client
         self.sequence_id = next(_sequence_ids)

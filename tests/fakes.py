@@ -42,7 +42,7 @@ class FakeTriton:
 @contextlib.asynccontextmanager
 async def gateway(factory=FakeTriton, **kw) -> AsyncIterator[str]:
     """An in-process gateway on a free port; yields its address, stops it on exit."""
-    server, port, service = await start_gateway(NOWHERE, MODEL, session_factory=factory, **kw)
+    server, port, service = await start_gateway(NOWHERE, MODEL, sequence_factory=factory, **kw)
     try:
         yield f"127.0.0.1:{port}"
     finally:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import grpc
 import pytest
 
-from specsplit.cloud.limits import Limits
+from specsplit.cloud.limits import GatewayLimits
 from specsplit.cloud.triton_client import SessionLost, VerifyReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import FakeTriton, gateway
@@ -105,7 +105,7 @@ class SlowTriton(FakeTriton):
 async def silent_stream(messages: list[pb.ClientMessage], factory=FakeTriton, **limits_kw):
     """Sends ``messages`` and then nothing (without half-closing); returns the final status."""
     async with (
-        gateway(factory, limits=Limits(**limits_kw)) as address,
+        gateway(factory, limits=GatewayLimits(**limits_kw)) as address,
         grpc.aio.insecure_channel(address) as channel,
     ):
         call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=20)

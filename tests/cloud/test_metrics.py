@@ -68,7 +68,7 @@ async def settled_registry(service) -> dict:
 
 @contextlib.asynccontextmanager
 async def gateways(n: int, factory=FakeTriton):
-    started = [await start_gateway(NOWHERE, MODEL, session_factory=factory) for _ in range(n)]
+    started = [await start_gateway(NOWHERE, MODEL, sequence_factory=factory) for _ in range(n)]
     try:
         yield [(f"127.0.0.1:{port}", service) for _, port, service in started]
     finally:
@@ -152,7 +152,7 @@ def test_calls_refused_for_their_token_are_counted():
     async def main():
         security = Security(tokens=(b"good",))
         server, port, service = await start_gateway(
-            NOWHERE, MODEL, session_factory=FakeTriton, security=security
+            NOWHERE, MODEL, sequence_factory=FakeTriton, security=security
         )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -300,10 +300,10 @@ def test_counters_equal_the_clients_stats_on_real_parts(tiny, tmp_path):
         s.new_tokens for s in split
     )
     assert value(m, "specsplit_rounds_total", mode="split") == sum(s.rounds for s in split)
-    assert value(m, "specsplit_tokens_committed_total", mode="cloud_only") == only.new_tokens
-    assert value(m, "specsplit_rounds_total", mode="cloud_only") == only.rounds
+    assert value(m, "specsplit_tokens_committed_total", mode="cloud-only") == only.new_tokens
+    assert value(m, "specsplit_rounds_total", mode="cloud-only") == only.rounds
     assert value(m, "specsplit_sessions_total", mode="split", outcome="length") == 2
-    assert value(m, "specsplit_sessions_total", mode="cloud_only", outcome="length") == 1
+    assert value(m, "specsplit_sessions_total", mode="cloud-only", outcome="length") == 1
     assert value(m, "specsplit_received_bytes_total") == sum(s.bytes_up for s in [*split, only])
     assert value(m, "specsplit_sent_bytes_total") == sum(s.bytes_down for s in [*split, only])
     assert value(m, "specsplit_triton_replicas_up") == 1

@@ -2,15 +2,15 @@
 
 import pytest
 
-from specsplit.cloud.session import Code, Finish, ModelLimits, ProtocolError, Session
+from specsplit.cloud.session import Code, Finish, GatewaySession, ModelLimits, ProtocolError
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 
 LIMITS = ModelLimits(vocab_size=100, max_context=64, max_draft_tokens=4, eos_token_ids=(99,))
 
 
-def session(max_new_tokens=10, stop_ids=frozenset(), mode=Mode.GREEDY) -> Session:
-    return Session(LIMITS, [1, 2, 3], SamplingConfig(), mode, 0, max_new_tokens, stop_ids)
+def session(max_new_tokens=10, stop_ids=frozenset(), mode=Mode.GREEDY) -> GatewaySession:
+    return GatewaySession(LIMITS, [1, 2, 3], SamplingConfig(), mode, 0, max_new_tokens, stop_ids)
 
 
 def test_commit_appends_accepted_then_token():

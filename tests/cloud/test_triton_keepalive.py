@@ -10,7 +10,7 @@ import pytest
 
 from specsplit.cloud.replicas import KEEPALIVE_MS, _client
 from specsplit.cloud.triton import MIN_PING_INTERVAL_MS
-from specsplit.cloud.triton_client import TritonSession
+from specsplit.cloud.triton_client import TritonSequence
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 
@@ -27,7 +27,7 @@ def test_triton_accepts_the_gateways_ping_period():
 def test_a_session_stream_survives_a_quiet_spell(cloud):
     async def run() -> int:
         client = _client(cloud.triton_url)  # the gateway's own channel settings
-        session = TritonSession(client)
+        session = TritonSequence(client)
         try:
             await session.start([1, 2, 3], SamplingConfig(temperature=0.0), Mode.TOKEN_ONLY, 0)
             await asyncio.sleep(QUIET_S)
