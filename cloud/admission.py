@@ -4,7 +4,7 @@
 A bare session count admits 64 one-token prompts and 64 max_context ones alike, though the
 second set holds orders of magnitude more KV memory in Triton. So every admitted session
 reserves the KV bytes it can grow to, computed exactly as the target allocates them
-(``cloud.kv_slots``): a slot starts at 64 positions and doubles, each position holding keys and
+(``cloud.kv_growth``): a slot starts at 64 positions and doubles, each position holding keys and
 values of every layer. A session needs at most prompt + max_new_tokens committed positions
 (capped at max_context) plus one verification block in flight. The budget is the sum the
 target may hold; a Start that would exceed it is refused with RESOURCE_EXHAUSTED and a retry
@@ -25,20 +25,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specsplit.cloud.kv_growth import MAX_BLOCK, slot_positions
 from specsplit.shared.protocol import RETRY_AFTER_KEY, RETRY_PUSHBACK_KEY
 
 log = logging.getLogger(__name__)
 
-MIN_SLOT = 64  # kv_slots._MIN_CAPACITY: a fresh slot's positions
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def slot_positions(length: int) -> int:
-    """Positions a KV slot holds once it has grown to ``length`` (KVSlots.reserve: 64, doubled
-    until it fits)."""
-    if length <= MIN_SLOT:
-        return MIN_SLOT
-    return MIN_SLOT << ((length - 1) // MIN_SLOT).bit_length()
 
 
 @dataclass(frozen=True)
@@ -120,7 +112,7 @@ class Admission:
         kv: KVShape | None = None,
         budget_bytes: int | None = None,
         per_client: int | None = None,
-        max_block: int = 16,
+        max_block: int = MAX_BLOCK,
         max_sessions: int = 64,
     ):
         if max_sessions < 1:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MIN_CAPACITY = 64
+from specsplit.cloud.kv_growth import MIN_SLOT, slot_positions
 
 
 @dataclass
@@ -47,7 +47,7 @@ class KVSlots:
 
     def open(self, sid: int) -> Slot:
         """A fresh, empty slot for ``sid`` (replacing any slot it had)."""
-        slot = Slot(self._alloc(_MIN_CAPACITY))
+        slot = Slot(self._alloc(MIN_SLOT))
         self.slots[sid] = slot
         return slot
 
@@ -55,10 +55,7 @@ class KVSlots:
         """Makes room for ``length`` positions, keeping what the slot holds."""
         if length <= slot.capacity:
             return
-        capacity = slot.capacity
-        while capacity < length:
-            capacity *= 2
-        grown = self._alloc(capacity)
+        grown = self._alloc(slot_positions(length))
         grown[:, :, :, : slot.length] = slot.kv[:, :, :, : slot.length]
         slot.kv = grown
 

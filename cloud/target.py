@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
+from specsplit.cloud.kv_growth import MAX_BLOCK
 from specsplit.cloud.kv_slots import Slot
 from specsplit.cloud.precision import check_weights, pick_device
 from specsplit.cloud.ragged import RaggedForward, Segment
@@ -111,7 +112,6 @@ class PassInfo:
 
 
 PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory for long prompts
-MAX_BLOCK = 16  # the largest k the cloud ever hints (Limits.max_draft_tokens)
 
 
 def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
