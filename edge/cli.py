@@ -9,15 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from specsplit.edge.client import (
-    MODES,
-    SESSION_MODES,
-    GenerationConfig,
-    SpecsplitError,
-    SplitClient,
-)
+from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, ensure_draft_onnx
 from specsplit.edge.retry import DEFAULT_WINDOW_S
+from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 
@@ -85,7 +80,7 @@ async def _generate(args) -> int:
     prompt = ids if ids is not None else _text_prompt(args, codec)
     drafter = None
     if args.mode != "cloud-only":
-        from specsplit.edge.drafter import OnnxDrafter
+        from specsplit.edge.onnx_drafter import OnnxDrafter
 
         drafter = OnnxDrafter(draft_dir, threads=args.threads)
     server = None if args.mode == "edge-only" else args.server
@@ -251,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--session-mode",
         choices=SESSION_MODES,
-        default="auto",
+        default=AUTO,
         help="lock-step rounds, cloud-led (the cloud never waits for drafts), or auto: "
         "lock-step until its measurements say cloud-led is faster",
     )

@@ -9,6 +9,11 @@
 Modes: "split" (draft on the edge, verify in the cloud), "cloud-only" (the target alone in the
 cloud, streamed), "edge-only" (the draft alone, no network). gRPC errors are caught here, in one
 place, and raised as ``SpecsplitError`` with the status code.
+
+A generation is one stream, re-opened from what it committed after an outage (edge.retry). Each
+stream gets its ``SessionPlan`` (edge.session_plan) and runs Start to Finished in edge.rounds:
+the transport is edge.stream, drafts come from a ``Proposer`` (edge.proposer), and the rounds
+are the loop of the session mode (edge.lockstep, edge.cloud_led, edge.cloud_only).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import grpc
 from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
-from specsplit.edge.mode_switch import LeadChoice, Link
+from specsplit.edge.mode_switch import Link
+from specsplit.edge.proposer import Proposer, as_proposer
 from specsplit.edge.retry import (
     DEFAULT_WINDOW_S,
     HANDSHAKE_HINT,
@@ -32,15 +38,19 @@ from specsplit.edge.retry import (
     refused_at_handshake,
     retry_after_s,
 )
-from specsplit.edge.session import Session as _Session
-from specsplit.edge.session import SpecsplitError  # noqa: F401 (re-export)
+from specsplit.edge.rounds import run_rounds
+from specsplit.edge.session_plan import AUTO, SessionPlan
+from specsplit.edge.stream import SpecsplitError, Stream
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.protocol import pb_grpc
 from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
 from specsplit.shared.seeding import round_rng
+from specsplit.shared.session_mode import SessionMode
 
-MODES = ("split", "cloud-only", "edge-only")
-SESSION_MODES = ("auto", "lock-step", "cloud-led")
+# Where tokens come from: draft and verify (session mode lock-step, cloud-led or auto), the
+# target alone (session mode cloud-only, spelt the same), the draft alone (no session).
+CLOUD_ONLY = SessionMode.CLOUD_ONLY.value
+MODES = ("split", CLOUD_ONLY, "edge-only")
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class GenerationConfig:
     # the cloud's step, or a draft that predicts little); lock-step with a fixed k when a run
     # must repeat exactly: follow_hint False, or a seed with temperature > 0 (a cloud-led or
     # adaptive run's blocks depend on timing; greedy output never does).
-    session_mode: str = "auto"
+    session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
     verification: Mode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
@@ -102,23 +112,19 @@ class GenerationConfig:
     def may_lead(self) -> bool:
         """Lock-step rounds may switch to cloud-led (session mode auto, k adapting: a run that
         must repeat exactly keeps lock-step with a fixed k)."""
-        return self.session_mode == "auto" and self.adapts
-
-    def resolved_session_mode(self) -> str:
-        """How the stream starts: "cloud-led" or "lock-step" (which ``may_lead`` may switch)."""
-        if self.session_mode not in SESSION_MODES:
-            raise ValueError(f"session_mode must be one of {SESSION_MODES}")
-        return "lock-step" if self.session_mode == "auto" else self.session_mode
+        return self.session_mode == AUTO and self.adapts
 
 
 class SplitClient:
     """A connection to a gateway. TLS when ``tls`` is true or any tls_* file is given;
-    ``token`` is sent as ``authorization: Bearer <token>`` on every call."""
+    ``token`` is sent as ``authorization: Bearer <token>`` on every call. ``drafter``: the draft
+    model (drafting through ``edge.proposer.DraftModelProposer``), or any ``Proposer`` (the
+    load benchmark's replay of recorded blocks)."""
 
     def __init__(
         self,
         address: str | None,
-        drafter: Drafter | None = None,
+        drafter: Drafter | Proposer | None = None,
         *,
         tls: bool = False,
         tls_ca: str | Path | None = None,
@@ -129,6 +135,7 @@ class SplitClient:
     ):
         self.address = address
         self.drafter = drafter
+        self.proposer = None if drafter is None else as_proposer(drafter)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = None
         if address:
@@ -167,14 +174,14 @@ class SplitClient:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
-        if mode != "cloud-only" and self.drafter is None:
+        if mode != CLOUD_ONLY and self.drafter is None:
             raise ValueError(f"mode {mode} needs a drafter")
         if mode != "edge-only" and self._stub is None:
             raise ValueError(f"mode {mode} needs a server address")
-        if mode != "cloud-only" and max(prompt_ids) >= self.drafter.vocab_size:
+        if mode != CLOUD_ONLY and max(prompt_ids) >= self.proposer.vocab_size:
             raise ValueError(
                 f"prompt token id {max(prompt_ids)} outside the draft's vocabulary "
-                f"[0, {self.drafter.vocab_size})"
+                f"[0, {self.proposer.vocab_size})"
             )
         stats = GenerationStats(mode=mode)
         if mode == "edge-only":
@@ -206,23 +213,20 @@ class SplitClient:
         backoff = Backoff(cfg.retry_window_s)
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
+            plan = SessionPlan.of(cfg, mode == CLOUD_ONLY, self._link)
             # A re-open sends the seed the first Started reported: sampling resumes unchanged.
-            lead = self._link is not None and LeadChoice.lead_at_start(*self._link)
-            session = _Session(
-                self._stub, self.drafter, cfg, stats, committed, remaining, stats.seed, lead
-            )
-            session.metadata = self.metadata
+            stream = Stream(self._stub, self.metadata, cfg, stats, committed, remaining, stats.seed)
             try:
-                async for chunk in session.run(cloud_only=mode == "cloud-only"):
+                async for chunk in run_rounds(stream, self.proposer, plan):
                     committed += chunk
                     backoff.progress()
                     yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                if session.final:  # everything arrived; only the goodbye was lost
-                    stats.finish = stats.finish or session.final
+                if stream.final:  # everything arrived; only the goodbye was lost
+                    stats.finish = stats.finish or stream.final
                     return
-                if not (self._reached or session.reached) and refused_at_handshake(e):
+                if not (self._reached or stream.reached) and refused_at_handshake(e):
                     # A configuration error, not an outage: retrying cannot help.
                     raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
                 pause = None
@@ -236,6 +240,6 @@ class SplitClient:
                 stats.retries += 1
                 await asyncio.sleep(pause)
             finally:
-                self._reached |= session.reached
-                self._link = session.link or self._link
-                await session.close()
+                self._reached |= stream.reached
+                self._link = stream.link or self._link
+                await stream.close()

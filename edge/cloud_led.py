@@ -2,10 +2,10 @@
 
 The cloud streams one Verdict per target step whether or not Drafts arrive. Here the edge keeps
 a speculation: its own draft tokens after the committed prefix, extended one token at a time in
-a worker thread. Every few new tokens it sends what the cloud has not seen of the speculation:
-the whole of it from its latest known committed_len after a restart, else only the new tokens as
-a continuation (Draft.continues) of the Draft before; the cloud verifies the part it has not
-committed yet. A Verdict that agrees
+a worker thread (``Proposer.next_token`` under the stream's ``DraftRule``). Every few new tokens
+it sends what the cloud has not seen of the speculation: the whole of it from its latest known
+committed_len after a restart, else only the new tokens as a continuation (Draft.continues) of
+the Draft before; the cloud verifies the part it has not committed yet. A Verdict that agrees
 with the speculation consumes its head; one that does not restarts it from the committed prefix.
 
 Draft randomness is the session's shared numbers at each position (shared/coupling.py), so a
@@ -19,17 +19,19 @@ Drafting pauses when it does not pay (almost nothing accepted); the cloud stream
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.drafting import Block, draw_next, next_logits
-from specsplit.edge.session import Session
-from specsplit.edge.worker import Stoppable, Worker
+from specsplit.edge.drafting import Block, DraftRule
+from specsplit.edge.proposer import Proposer
+from specsplit.edge.session_plan import SessionPlan
+from specsplit.edge.stream import Stream
+from specsplit.edge.worker import Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
 
 PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
@@ -40,11 +42,19 @@ SENT_KEPT = 64  # Drafts remembered to read Verdicts against
 class _Speculation:
     """Draft tokens (and their q) after the committed prefix; ``unsent`` not in a Draft yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, lead: Block | None = None, committed_len: int = 0) -> None:
         self.tokens: list[int] = []
         self.q: list = []
         self.unsent = 0
         self.sent_to: int | None = None  # where the last Draft of this speculation ended
+        if lead is not None:  # a lock-step stream's lead Draft: sent already
+            self.tokens, self.q = list(lead.tokens), list(lead.q or [None] * len(lead.tokens))
+            self.sent_to = committed_len + len(lead.tokens)
+
+    def add(self, token: int, q) -> None:
+        self.tokens.append(token)
+        self.q.append(q)
+        self.unsent += 1
 
     def consume(self, chunk: list[int]) -> None:
         if self.tokens[: len(chunk)] == chunk:
@@ -54,11 +64,14 @@ class _Speculation:
             self.tokens, self.q, self.unsent, self.sent_to = [], [], 0, None
 
 
-def _draft_one(s: Session, seq: list[int], stop: threading.Event):
-    """One draft token after ``seq`` and the q it was sampled from (None when greedy)."""
-    cfg = s.cfg
-    logits = next_logits(Stoppable(s.drafter, stop), seq)
-    return draw_next(logits, len(seq), cfg.sampling, s.noise, cfg.q_entries, cfg.q_levels)
+@dataclass(frozen=True)
+class Handover:
+    """A lock-step stream's Draft.lead (edge.lockstep): cloud-led rounds go on from it."""
+
+    round: int  # the lead Draft's round
+    block: Block  # its drafts, sent from the committed prefix
+    remaining: int  # tokens to go when it was sent
+    acceptance: DraftLength  # what the lock-step rounds measured, per position
 
 
 class _Reach:
@@ -94,45 +107,30 @@ class _Reach:
 
 
 async def cloud_led_rounds(
-    s: Session,
+    stream: Stream,
+    proposer: Proposer,
+    rule: DraftRule,
+    plan: SessionPlan,
     started: pb.Started,
-    remaining: int | None = None,
-    rounds_before: int = 0,
-    lead: Block | None = None,
-    acceptance: DraftLength | None = None,
+    handover: Handover | None = None,
 ) -> AsyncIterator[list[int]]:
-    """From Started, or from a lock-step session's Draft.lead (round ``rounds_before``, the
-    block ``lead``, sent from the committed prefix with ``remaining`` tokens to go) with the
-    acceptance its rounds measured: the speculation then reaches past the lead block while the
-    cloud verifies it, instead of waiting for that verdict."""
-    cfg, stats = s.cfg, s.stats
-    k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
-    limit = started.limits.max_draft_tokens
-    sent_first = len(lead.tokens) if lead is not None else 0
-    reach = _Reach(k_max, limit, acceptance, sent_first) if cfg.adapts else None
+    """From Started, or from a lock-step stream's ``handover``: the speculation then starts as
+    the lead block and reaches past it, with the acceptance the lock-step rounds measured, while
+    the cloud verifies it, instead of waiting for that verdict."""
+    stats = stream.stats
+    k_max = min(plan.draft_tokens, started.limits.max_draft_tokens)
+    reach = None
+    if plan.adaptive:
+        limit = started.limits.max_draft_tokens
+        lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
+        reach = _Reach(k_max, limit, *lead)
     send_every = max(1, k_max // 2)
-    rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
     verdicts: asyncio.Queue = asyncio.Queue()
-
-    async def receive() -> None:
-        try:
-            while True:
-                v = await s.recv("verdict")
-                verdicts.put_nowait(v)
-                if v.finished:
-                    return
-        except Exception as e:  # handed to the loop below, which raises it
-            verdicts.put_nowait(e)
-
-    receiver = asyncio.create_task(receive())
-    spec = _Speculation()
-    sent: dict[int, tuple[int, list[int]]] = {}  # round -> (base_len, tokens)
-    if lead is not None:  # the speculation so far, sent already
-        spec.tokens, spec.q = list(lead.tokens), list(lead.q or [None] * len(lead.tokens))
-        spec.sent_to = len(s.committed) + len(lead.tokens)
-        sent[rounds_before] = (len(s.committed), list(lead.tokens))
-    round_no, paused, hint = rounds_before, 0, k_max
-    remaining = started.max_new_tokens if remaining is None else remaining
+    receiver = asyncio.create_task(_receive(stream, verdicts))
+    spec = _Speculation(handover.block if handover else None, len(stream.committed))
+    drafts = _Drafts(stream, started, handover)
+    paused, hint = 0, k_max
+    remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
     worker: Worker | None = None
     getter: asyncio.Future | None = None
@@ -141,29 +139,19 @@ async def cloud_led_rounds(
             ahead = reach.want(hint) if reach else min(k_max, hint)
             want = max(0, min(ahead, remaining - 1))
             if worker is None and paused == 0 and len(spec.tokens) < want:
-                prefix = [*s.committed, *spec.tokens]
-                worker = Worker(_draft_one, s, prefix)
+                prefix = [*stream.committed, *spec.tokens]
+                worker = Worker(proposer.next_token, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if worker is not None and worker.future.done():
                 token, q = await worker.result()
                 worker = None
-                if prefix == [*s.committed, *spec.tokens]:  # no verdict moved it meanwhile
-                    spec.tokens.append(token)
-                    spec.q.append(q)
-                    spec.unsent += 1
-                    if spec.unsent >= send_every or len(spec.tokens) >= want:
-                        round_no += 1
-                        sent[round_no] = (len(s.committed), list(spec.tokens))
-                        sent.pop(round_no - SENT_KEPT, None)
-                        try:
-                            await _send_draft(s, started, spec, round_no, rejection)
-                        except grpc.aio.AioRpcError:
-                            # The server may end the call (its final verdict) while a Draft is
-                            # on its way: Drafts are optional, the verdicts tell what happened.
-                            paused = -1  # no more drafting on this stream
-                            stats.drafts_sent -= 1
+                if prefix == [*stream.committed, *spec.tokens]:  # no verdict moved it meanwhile
+                    spec.add(token, q)
+                    due = spec.unsent >= send_every or len(spec.tokens) >= want
+                    if due and not await drafts.send(spec):
+                        paused = -1  # no more drafting on this stream
             if not getter.done():
                 continue
             ready, getter = [getter.result()], None
@@ -173,15 +161,14 @@ async def cloud_led_rounds(
                 if isinstance(v, Exception):
                     raise v
                 now = time.perf_counter()
-                offset = len(s.committed) - sent[v.round][0] if v.round in sent else None
-                chunk, verified = _apply(s, v, sent)
+                chunk, verified, offset = drafts.apply(v)
                 if reach is not None:
                     reach.observe(offset, verified, v.accepted)
-                s.observe(v, verified, 0.0, (now - t_prev) * 1e3)
+                stream.observe(v, verified, 0.0, (now - t_prev) * 1e3)
                 t_prev = now
                 spec.consume(chunk)
                 remaining -= len(chunk)
-                if v.HasField("max_draft_tokens_hint") and cfg.follow_hint:
+                if v.HasField("max_draft_tokens_hint") and plan.follow_hint:
                     hint = v.max_draft_tokens_hint
                     stats.block_hint.append(hint)
                 paused = _pause(stats, paused)
@@ -194,32 +181,69 @@ async def cloud_led_rounds(
         if worker is not None:
             await worker.join()
         receiver.cancel()
-        stats.drafts_sent += round_no - rounds_before
+        stats.drafts_sent += drafts.round - drafts.first_round
 
 
-async def _send_draft(s: Session, started, spec: _Speculation, round_no: int, rejection) -> None:
-    """Sends the speculation's new tokens as a continuation of its last Draft while some of
-    that one is still uncommitted, else all of it from committed_len."""
-    committed = len(s.committed)
-    continues = spec.sent_to is not None and spec.sent_to > committed
-    base = spec.sent_to if continues else committed
-    draft = pb.Draft(
-        round=round_no, base_len=base, tokens=spec.tokens[base - committed :], continues=continues
-    )
-    if rejection:
-        draft.q.extend(sparse_to_pb(q, started.q_counts) for q in spec.q[base - committed :])
-    spec.unsent = 0
-    spec.sent_to = committed + len(spec.tokens)
-    await s.send(pb.ClientMessage(draft=draft))
+async def _receive(stream: Stream, verdicts: asyncio.Queue) -> None:
+    """Reads the stream's Verdicts into ``verdicts`` while the loop drafts."""
+    try:
+        while True:
+            v = await stream.recv("verdict")
+            verdicts.put_nowait(v)
+            if v.finished:
+                return
+    except Exception as e:  # handed to the loop, which raises it
+        verdicts.put_nowait(e)
 
 
-def _apply(s: Session, v: pb.Verdict, sent: dict) -> tuple[list[int], int]:
-    """Commits a Verdict; returns its chunk and how many draft tokens its step verified."""
-    base, tokens = sent.get(v.round, (len(s.committed), []))
-    off = len(s.committed) - base
-    chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
-    s.committed += chunk
-    return chunk, v.drafts_verified if v.round else 0
+class _Drafts:
+    """The Drafts sent (round -> base_len and tokens, the last SENT_KEPT) to read Verdicts
+    against, and the round of the last one."""
+
+    def __init__(self, stream: Stream, started: pb.Started, handover: Handover | None):
+        self.stream = stream
+        self.rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
+        self.q_counts = started.q_counts
+        self.first_round = self.round = handover.round if handover is not None else 0
+        self.sent: dict[int, tuple[int, list[int]]] = {}
+        if handover is not None:
+            self.sent[handover.round] = (len(stream.committed), list(handover.block.tokens))
+
+    async def send(self, spec: _Speculation) -> bool:
+        """Sends the speculation's new tokens as a continuation of its last Draft while some of
+        that one is still uncommitted, else all of it from committed_len. False: the stream
+        takes no more Drafts."""
+        self.round += 1
+        committed = len(self.stream.committed)
+        self.sent[self.round] = (committed, list(spec.tokens))
+        self.sent.pop(self.round - SENT_KEPT, None)
+        continues = spec.sent_to is not None and spec.sent_to > committed
+        base = spec.sent_to if continues else committed
+        tokens = spec.tokens[base - committed :]
+        draft = pb.Draft(round=self.round, base_len=base, tokens=tokens, continues=continues)
+        if self.rejection:
+            draft.q.extend(sparse_to_pb(q, self.q_counts) for q in spec.q[base - committed :])
+        spec.unsent = 0
+        spec.sent_to = committed + len(spec.tokens)
+        try:
+            await self.stream.send(pb.ClientMessage(draft=draft))
+        except grpc.aio.AioRpcError:
+            # The server may end the call (its final verdict) while a Draft is on its way:
+            # Drafts are optional, the verdicts tell what happened.
+            self.stream.stats.drafts_sent -= 1
+            return False
+        return True
+
+    def apply(self, v: pb.Verdict) -> tuple[list[int], int, int | None]:
+        """Commits a Verdict; returns its chunk, how many draft tokens its step verified, and
+        how many tokens the cloud committed while its Draft was on the way (None: not known)."""
+        committed = self.stream.committed
+        offset = len(committed) - self.sent[v.round][0] if v.round in self.sent else None
+        base, tokens = self.sent.get(v.round, (len(committed), []))
+        off = len(committed) - base
+        chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
+        self.stream.committed += chunk
+        return chunk, v.drafts_verified if v.round else 0, offset
 
 
 def _pause(stats, paused: int) -> int:

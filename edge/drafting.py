@@ -1,8 +1,10 @@
-"""Drafting a block on the edge, and edge-only generation. numpy only (no torch on the edge).
+"""The draft model's math: a block of draft tokens from a ``Drafter``, the q each was drawn from,
+the rule they follow, and edge-only generation. numpy only (no torch on the edge).
 
 A ``Drafter`` owns a KV cache of the tokens in ``cached``; drafting first rolls it back to the
 longest prefix it shares with the committed sequence (the cloud may have rejected the tail), then
-feeds what is missing and proposes k tokens one at a time.
+feeds what is missing and proposes k tokens one at a time. Who asks for drafts, and when, is
+``edge.proposer``'s business.
 """
 
 from __future__ import annotations
@@ -37,6 +39,32 @@ class Drafter(Protocol):
     def forward(self, tokens: Sequence[int]) -> np.ndarray: ...  # [len(tokens), V] logits
 
     def truncate(self, n: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class DraftRule:
+    """How every draft of one stream is drawn: built once per stream, once its seed is known."""
+
+    sampling: SamplingConfig
+    noise: SharedNoise | None  # the session's shared numbers (shared/coupling.py); None: greedy
+    q_entries: int = DEFAULT_Q_ENTRIES  # q keeps the draft's most likely tokens, this many
+    q_levels: int = Q_LEVELS  # q quantised to this many steps (0: float q)
+
+    @classmethod
+    def for_seed(
+        cls,
+        sampling: SamplingConfig,
+        seed: int | None,
+        vocab_size: int,
+        q_entries: int = DEFAULT_Q_ENTRIES,
+        q_levels: int = Q_LEVELS,
+    ) -> DraftRule:
+        """The rule of a session with ``seed``; a sampled draft needs it (Started brings it when
+        the request sent none), a greedy one does not."""
+        if sampling.greedy:
+            return cls(sampling, None, q_entries, q_levels)
+        assert seed is not None, "a sampled draft needs the session's seed"
+        return cls(sampling, SharedNoise(seed, vocab_size), q_entries, q_levels)
 
 
 @dataclass(frozen=True)
@@ -122,43 +150,6 @@ def draft_block(
         if i + 1 < k:
             logits = drafter.forward(tokens[-1:])[-1]
     return Block(tokens=tokens, q=None if cfg.greedy else qs)
-
-
-def propose(
-    drafter: Drafter,
-    committed: Sequence[int],
-    k: int,
-    cfg: SamplingConfig,
-    noise: SharedNoise | None,
-    q_entries: int = DEFAULT_Q_ENTRIES,
-    q_levels: int = Q_LEVELS,
-) -> Block:
-    """The drafter's own ``propose`` when it has one (a replay of recorded blocks in the load
-    benchmark), else ``draft_block``."""
-    own = getattr(drafter, "propose", None)
-    if own is not None:
-        return own(committed, k, cfg, noise, q_entries)
-    return draft_block(drafter, committed, k, cfg, noise, q_entries, q_levels)
-
-
-def guess_next(
-    drafter: Drafter,
-    committed: Sequence[int],
-    cfg: SamplingConfig,
-    noise: SharedNoise | None,
-    q_entries: int = DEFAULT_Q_ENTRIES,
-    q_levels: int = Q_LEVELS,
-) -> int:
-    """The draft's guess at the token the cloud draws itself after ``committed`` (the bonus a
-    draft-ahead bets on): the top token when greedy, else the draft's own draw from q with the
-    numbers the cloud's draw at that position shares (shared/coupling.py); the two agree with
-    probability >= (1 - TV) / (1 + TV), where the top token would match a sampled bonus only
-    with probability p(top)."""
-    own = getattr(drafter, "guess_next", None)
-    if own is not None:
-        return own(committed, cfg, noise, q_entries)
-    logits = next_logits(drafter, committed)
-    return draw_next(logits, len(committed), cfg, noise, q_entries, q_levels)[0]
 
 
 def generate_edge_only(

@@ -5,7 +5,7 @@ sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` con
 
 - ``model.onnx`` + ``model.onnx.data``: the graph of ``edge.onnx_graph`` (I/O contract there),
   weights as external data;
-- ``specsplit_draft.json``: what ``specsplit.edge.drafter.OnnxDrafter`` needs (``METADATA_FORMAT``);
+- ``specsplit_draft.json``: what ``edge.onnx_drafter.OnnxDrafter`` needs (``METADATA_FORMAT``);
 - copies of the tokenizer / generation / model config files present in ``model_dir``.
 
 The output is built in a temporary sibling directory and renamed into place, so a failed export

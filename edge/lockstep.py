@@ -1,8 +1,10 @@
 """Lock-step rounds: draft k, send, wait for the verdict, commit (DESIGN §2).
 
-While a verdict is in flight the next block is drafted for "all accepted, bonus = the draft's
-top token" and used when the verdict matches (DESIGN §4). k is chosen per round by
-``edge.adaptive.DraftLength`` unless the config fixes it. In session mode ``auto`` the rounds
+The loop drafts through the stream's ``Proposer`` under its ``DraftRule`` and reads the session
+plan; it sends and receives through the ``Stream``. While a verdict is in flight the next block
+is drafted for "all accepted, bonus = the draft's guess" (``Proposer.guess_next``) and used when
+the verdict matches (DESIGN §4). k is chosen per round by ``edge.adaptive.DraftLength`` unless
+the plan fixes it. In session mode ``auto`` the rounds
 also measure whether cloud-led would be faster (``edge.mode_switch``); once it would, the next
 Draft carries ``lead`` and the stream goes on as cloud-led rounds at once, that Draft the first
 of their speculation (the cloud starts stepping without waiting as soon as it reads it).
@@ -14,22 +16,30 @@ import time
 from collections.abc import AsyncIterator
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.cloud_led import cloud_led_rounds
+from specsplit.edge.cloud_led import Handover, cloud_led_rounds
+from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.mode_switch import LeadChoice
-from specsplit.edge.session import Session
+from specsplit.edge.proposer import Proposer, block_off_loop, draft_ahead
+from specsplit.edge.session_plan import SessionPlan
+from specsplit.edge.stream import Stream
 from specsplit.edge.worker import Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
 
 
-async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterator[list[int]]:
-    cfg, stats = s.cfg, s.stats
-    k_max = min(cfg.draft_tokens, started.limits.max_draft_tokens)
-    chooser = DraftLength(k_max) if cfg.adapts else None
-    may_lead = cfg.may_lead and started.accepts_lead
-    switch = LeadChoice(k_max, cfg.sampling.greedy) if may_lead else None
-    lead_now = may_lead and LeadChoice.lead_at_start(stats.start_rtt_ms, started.step_ms)
+async def lockstep_rounds(
+    stream: Stream,
+    proposer: Proposer,
+    rule: DraftRule,
+    plan: SessionPlan,
+    started: pb.Started,
+    first: tuple[Block, float] | None,
+) -> AsyncIterator[list[int]]:
+    """From Started; ``first``: the first block and its drafting time (ms), drafted early."""
+    stats = stream.stats
+    k_max = min(plan.draft_tokens, started.limits.max_draft_tokens)
+    chooser = DraftLength(k_max) if plan.adaptive else None
+    switch = LeadChoice(k_max, rule.sampling.greedy) if plan.may_lead else None
     t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle
-    mode = started.verification
     remaining = started.max_new_tokens
     round_no = 0
     hint = k_max  # the cloud's largest wanted block, updated by every verdict
@@ -38,52 +48,40 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
         round_no += 1
         # A round emits up to k + 1 tokens: never draft past the length limit.
         k = max(0, min(k, hint, remaining - 1))
-        base_len = len(s.committed)
+        base_len = len(stream.committed)
         fresh = first is None
         if first is not None:  # drafted early (prefill, or the previous verdict in flight)
             (block, draft_ms), first = first, None
             block = block.head(k)
             k = len(block.tokens)  # shorter when the cloud's hint grew meanwhile
         else:
-            block, draft_ms = await s.draft_off_loop(k)
+            block, draft_ms = await block_off_loop(proposer, stream.committed, k, rule)
         t1 = time.perf_counter()
         # Hand over with this block when cloud-led would be faster (and blocks remain after it).
-        lead = switch is not None and remaining > k + 1 and (lead_now or switch.should_lead(k))
-        draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens, lead=lead)
-        if block.q is not None and mode == pb.VERIFICATION_MODE_REJECTION:
-            draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)
-        await s.send(pb.ClientMessage(draft=draft))
+        lead = (
+            switch is not None and remaining > k + 1 and (plan.lead_first or switch.should_lead(k))
+        )
+        await stream.send(_draft(started, round_no, base_len, block, lead))
         if lead:
             stats.lead_round = round_no
-            measured = switch.lengths  # acceptance per position so far
-            async for chunk in cloud_led_rounds(s, started, remaining, round_no, block, measured):
+            handover = Handover(round_no, block, remaining, switch.lengths)
+            async for chunk in cloud_led_rounds(stream, proposer, rule, plan, started, handover):
                 yield chunk
             return
         # The next block's size is chosen now, before the verdict, so it can be drafted ahead.
         planned = chooser.choose(hint) if chooser else k_max
         k_next = max(0, min(planned, hint, remaining - (k + 1) - 1))
         ahead = None
-        if cfg.draft_ahead and k > 0 and k_next > 0:
-            seq = [*s.committed, *block.tokens]
-            ahead = Worker(s.draft_ahead, seq, k_next)
-        try:
-            v = await s.recv("verdict")
-            t2 = time.perf_counter()
-            if ahead is not None:
-                guess, next_block = await ahead.result()
-                waited_ms = (time.perf_counter() - t2) * 1e3
-                if v.accepted == k and v.has_token and v.token == guess and not v.finished:
-                    first = (next_block, waited_ms)  # only the wait is on the critical path
-                    stats.ahead_hits += 1
-        finally:
-            if ahead is not None:  # the drafter must be idle before anyone else touches it
-                await ahead.join()
+        if plan.draft_ahead and k > 0 and k_next > 0:
+            seq = [*stream.committed, *block.tokens]
+            ahead = Worker(draft_ahead, proposer, seq, k_next, rule)
+        v, t2, first = await _verdict(stream, k, ahead)
         chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
-        s.committed += chunk
+        stream.committed += chunk
         remaining -= len(chunk)
         round_ms = (t2 - t1) * 1e3
-        s.observe(v, k, draft_ms, round_ms)
-        if cfg.obeys_hint and v.HasField("max_draft_tokens_hint"):
+        stream.observe(v, k, draft_ms, round_ms)
+        if plan.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
             stats.block_hint.append(hint)
         if chooser is not None:
@@ -98,3 +96,29 @@ async def lockstep_rounds(s: Session, started: pb.Started, first) -> AsyncIterat
         if v.finished:
             return
         k = planned
+
+
+def _draft(started: pb.Started, round_no: int, base_len: int, block: Block, lead: bool):
+    draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens, lead=lead)
+    if block.q is not None and started.verification == pb.VERIFICATION_MODE_REJECTION:
+        draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)
+    return pb.ClientMessage(draft=draft)
+
+
+async def _verdict(stream: Stream, k: int, ahead: Worker | None):
+    """The verdict on a block of k, when it came, and the block ``ahead`` drafted (with the
+    time waited for it, ms) when the verdict matched its guess: all k accepted, bonus = guess."""
+    try:
+        v = await stream.recv("verdict")
+        t2 = time.perf_counter()
+        if ahead is None:
+            return v, t2, None
+        guess, next_block = await ahead.result()
+        waited_ms = (time.perf_counter() - t2) * 1e3
+        if v.accepted == k and v.has_token and v.token == guess and not v.finished:
+            stream.stats.ahead_hits += 1
+            return v, t2, (next_block, waited_ms)  # only the wait is on the critical path
+        return v, t2, None
+    finally:
+        if ahead is not None:  # the drafter must be idle before anyone else touches it
+            await ahead.join()

@@ -28,7 +28,7 @@ the first Draft leads: every lock-step round there idles the target for longer t
 (a GPU cloud, a 20 ms step, behind any mobile link), and the rounds it would take to measure
 that cost more than a wrong guess of cloud-led could. A client's next generation need not
 measure it again: ``SplitClient`` keeps the round trip and step of its last Started and, where
-``lead_at_start`` holds for them, starts the stream cloud-led (``Start.cloud_led``), so the
+``lead_at_start`` holds for them, starts the stream cloud-led (edge.session_plan), so the
 target steps straight after prefill instead of a round trip later, when the lead Draft arrives.
 """
 

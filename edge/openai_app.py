@@ -34,7 +34,7 @@ from specsplit.edge.openai_schema import (
     APIError,
     ChatRequest,
     CompletionRequest,
-    Plan,
+    RequestPlan,
     chat_plan,
     completion_plan,
 )
@@ -107,14 +107,14 @@ class Endpoint:
         self.codec = TextCodec(cfg.draft_dir)
         make_drafter = None
         if cfg.mode == "split":
-            from specsplit.edge.drafter import OnnxDrafter
+            from specsplit.edge.onnx_drafter import OnnxDrafter
 
             def make_drafter():
                 return OnnxDrafter(cfg.draft_dir, threads=cfg.threads)
 
         self.pool = ClientPool(cfg.concurrency, make_drafter, address=cfg.server, **cfg.client)
 
-    async def answer(self, plan: Plan, reply: Reply):
+    async def answer(self, plan: RequestPlan, reply: Reply):
         client = await self.pool.acquire()
         run = None
         try:
@@ -143,7 +143,7 @@ class Endpoint:
         return reply.complete(content, finish, n, speculation(stats, stopped))
 
     async def _events(
-        self, run: Run, first: list[int] | None, text: TextStream, plan: Plan, reply: Reply
+        self, run: Run, first: list[int] | None, text: TextStream, plan: RequestPlan, reply: Reply
     ) -> AsyncIterator[bytes]:
         if reply.chat:  # OpenAI opens a chat stream with the role
             yield sse(reply.chunk("", role=True))
@@ -169,7 +169,7 @@ class Endpoint:
         finally:
             self.pool.release(client)
 
-    def _log(self, plan: Plan, text: TextStream, stopped: bool, run: Run) -> None:
+    def _log(self, plan: RequestPlan, text: TextStream, stopped: bool, run: Run) -> None:
         s = run.gen.stats
         log.info(
             "%s: %d prompt + %d tokens, %.1f tok/s, acceptance %.2f, %.2f tokens/round, %s",

@@ -16,7 +16,7 @@ from contextlib import suppress
 
 from specsplit.edge.client import SplitClient
 from specsplit.edge.generation import Generation
-from specsplit.edge.openai_schema import Plan
+from specsplit.edge.openai_schema import RequestPlan
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Run:
     collection.)
     """
 
-    def __init__(self, client: SplitClient, plan: Plan, mode: str):
+    def __init__(self, client: SplitClient, plan: RequestPlan, mode: str):
         self.gen: Generation = client.generate(plan.prompt_ids, plan.config, mode)
         self._events: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
         self._task = asyncio.create_task(self._consume())

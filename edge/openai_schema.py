@@ -112,7 +112,7 @@ class CompletionRequest(_Params):
 
 
 @dataclass(frozen=True)
-class Plan:
+class RequestPlan:
     """One generation, as the endpoint runs it."""
 
     prompt_ids: list[int]
@@ -165,7 +165,7 @@ def _config(req: _Params, max_tokens: int | None, base: GenerationConfig) -> Gen
     return replace(base, sampling=sampling, seed=req.seed, max_new_tokens=max_tokens or UNLIMITED)
 
 
-def chat_plan(req: ChatRequest, codec, base: GenerationConfig) -> Plan:
+def chat_plan(req: ChatRequest, codec, base: GenerationConfig) -> RequestPlan:
     """``codec``: the draft's ``TextCodec``; ``base`` holds the server's own settings."""
     _refuse_unsupported(req)
     messages = [
@@ -180,7 +180,7 @@ def chat_plan(req: ChatRequest, codec, base: GenerationConfig) -> Plan:
     return _plan(req, ids, req.max_completion_tokens or req.max_tokens, base)
 
 
-def completion_plan(req: CompletionRequest, codec, base: GenerationConfig) -> Plan:
+def completion_plan(req: CompletionRequest, codec, base: GenerationConfig) -> RequestPlan:
     _refuse_unsupported(req)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -191,13 +191,15 @@ def completion_plan(req: CompletionRequest, codec, base: GenerationConfig) -> Pl
     return _plan(req, ids, req.max_tokens, base)
 
 
-def _plan(req: _Params, ids: list[int], max_tokens: int | None, base: GenerationConfig) -> Plan:
+def _plan(
+    req: _Params, ids: list[int], max_tokens: int | None, base: GenerationConfig
+) -> RequestPlan:
     if not ids:
         raise bad_request("the prompt is empty", "prompt")
     if min(ids) < 0:
         raise bad_request("token ids must be >= 0", "prompt")
     options = req.stream_options or StreamOptions()
-    return Plan(
+    return RequestPlan(
         prompt_ids=ids,
         config=_config(req, max_tokens, base),
         stops=_stops(req.stop),

@@ -26,14 +26,14 @@ _PUBLIC = {
     "GenerationConfig": "specsplit.edge.client",
     "SplitClient": "specsplit.edge.client",
     "SpecsplitError": "specsplit.edge.client",
-    "OnnxDrafter": "specsplit.edge.drafter",
+    "OnnxDrafter": "specsplit.edge.onnx_drafter",
     "TextCodec": "specsplit.edge.text",
 }
 __all__ = ["GenerationConfig", "OnnxDrafter", "SpecsplitError", "SplitClient", "TextCodec"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
 
 

@@ -1,0 +1,128 @@
+"""Where a stream's drafts come from: the ``Proposer`` seam the mode loops draft through.
+
+The loops (edge.lockstep, edge.cloud_led) ask a ``Proposer`` for drafts under the stream's
+``DraftRule`` and know nothing of how they are made: ``DraftModelProposer`` runs the draft model
+(a ``Drafter``, edge.drafting); the load benchmark's ``bench.replay.ReplayDrafter`` serves
+recorded blocks instead. Implementations name ``Proposer`` as a base class: that, not the
+methods they happen to have, is what ``as_proposer`` goes by.
+
+Every method may run in a worker thread (edge.worker): given ``stop``, it gives up (``Stopped``)
+at its next forward pass once ``stop`` is set.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from specsplit.edge.drafting import Block, Drafter, DraftRule, draft_block, draw_next, next_logits
+from specsplit.edge.worker import Stoppable, Worker
+from specsplit.shared.sampling import SparseDist
+
+
+class Proposer(Protocol):
+    vocab_size: int
+
+    def propose(
+        self, committed: Sequence[int], k: int, rule: DraftRule, stop: threading.Event | None = None
+    ) -> Block:
+        """k draft tokens after ``committed`` (fewer only where a replay has none to give)."""
+        ...
+
+    def guess_next(
+        self, committed: Sequence[int], rule: DraftRule, stop: threading.Event | None = None
+    ) -> int:
+        """The token the cloud draws itself after ``committed``, as the draft guesses it (the
+        bonus a draft-ahead bets on); any token no verdict can match when it has no guess."""
+        ...
+
+    def next_token(
+        self, committed: Sequence[int], rule: DraftRule, stop: threading.Event | None = None
+    ) -> tuple[int, SparseDist | None]:
+        """One draft token after ``committed`` and the q it was drawn from (None when greedy):
+        how a cloud-led speculation grows."""
+        ...
+
+
+class DraftModelProposer(Proposer):
+    """Drafts with the draft model itself: edge.drafting over a ``Drafter``."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.vocab_size = drafter.vocab_size
+
+    def _model(self, stop: threading.Event | None) -> Drafter:
+        return self.drafter if stop is None else Stoppable(self.drafter, stop)
+
+    def propose(self, committed, k, rule, stop=None) -> Block:
+        model = self._model(stop)
+        return draft_block(
+            model, committed, k, rule.sampling, rule.noise, rule.q_entries, rule.q_levels
+        )
+
+    def guess_next(self, committed, rule, stop=None) -> int:
+        """The top token when greedy, else the draft's own draw from q with the numbers the
+        cloud's draw at that position shares (shared/coupling.py); the two agree with
+        probability >= (1 - TV) / (1 + TV), where the top token would match a sampled bonus only
+        with probability p(top)."""
+        return self.next_token(committed, rule, stop)[0]
+
+    def next_token(self, committed, rule, stop=None) -> tuple[int, SparseDist | None]:
+        logits = next_logits(self._model(stop), committed)
+        pos = len(committed)
+        return draw_next(logits, pos, rule.sampling, rule.noise, rule.q_entries, rule.q_levels)
+
+
+def as_proposer(source: Drafter | Proposer) -> Proposer:
+    """A ``Proposer`` (an instance of a class that names it as a base) as it is; a draft model
+    drafts through ``DraftModelProposer``."""
+    return source if Proposer in type(source).__mro__ else DraftModelProposer(source)
+
+
+def timed_block(
+    proposer: Proposer,
+    committed: Sequence[int],
+    k: int,
+    rule: DraftRule,
+    stop: threading.Event | None = None,
+) -> tuple[Block, float]:
+    """A block of k after ``committed`` and the time it took (ms). The generator depends only on
+    the prefix length, so a block drafted ahead for a guessed prefix equals the one drafted
+    after the verdict confirms it."""
+    t0 = time.perf_counter()
+    block = proposer.propose(committed, k, rule, stop)
+    return block, (time.perf_counter() - t0) * 1e3
+
+
+async def block_off_loop(
+    proposer: Proposer, committed: Sequence[int], k: int, rule: DraftRule
+) -> tuple[Block, float]:
+    """``timed_block`` in a worker thread: the event loop, and with it the streams of every
+    other generation in this process (`specsplit-edge serve`'s), goes on meanwhile."""
+    worker = Worker(timed_block, proposer, committed, k, rule)
+    try:
+        return await worker.result()
+    finally:
+        await worker.join()
+
+
+def draft_ahead(
+    proposer: Proposer, seq: list[int], k: int, rule: DraftRule, stop: threading.Event
+) -> tuple[int, Block]:
+    """Runs in a worker thread while the verdict on ``seq``'s drafts is in flight: guesses the
+    bonus and drafts the block after it."""
+    guess = proposer.guess_next(seq, rule, stop)
+    return guess, proposer.propose([*seq, guess], k, rule, stop)
+
+
+# For callers with no stream (tools, tests): ``parts`` are the DraftRule's fields, in order ---
+
+
+def propose(source: Drafter | Proposer, committed: Sequence[int], k: int, *parts) -> Block:
+    return as_proposer(source).propose(committed, k, DraftRule(*parts))
+
+
+def guess_next(source: Drafter | Proposer, committed: Sequence[int], *parts) -> int:
+    return as_proposer(source).guess_next(committed, DraftRule(*parts))

@@ -1,0 +1,88 @@
+"""The session plan: the mode a stream asks for at Start and what its rounds may do, decided once.
+
+``SessionPlan.of`` reads the GenerationConfig and, in session mode ``auto``, the link the client's
+previous Started measured (edge.mode_switch: a long round trip starts cloud-led). ``settled``
+adds what this stream's Started says: the mode the server runs (Started.session_mode; an older
+server leaves it UNSPECIFIED and says cloud-led only through Started.cloud_led, else runs what
+it was asked or lock-step), whether lock-step rounds may still hand over to cloud-led (the
+server accepts Draft.lead), and whether the first Draft leads. The loops only read the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specsplit.edge.mode_switch import LeadChoice, Link
+from specsplit.edge.stream import SpecsplitError
+from specsplit.shared.protocol import PB_TO_SESSION_MODE, pb
+from specsplit.shared.session_mode import SessionMode
+
+if TYPE_CHECKING:
+    from specsplit.edge.client import GenerationConfig
+
+AUTO = "auto"  # not a session mode but a plan: lock-step, handing over to cloud-led if faster
+SESSION_MODES = (AUTO, *(m.value for m in SessionMode if m.drafts))  # GenerationConfig's
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    mode: SessionMode  # asked at Start; once settled, the mode the server runs
+    auto: bool  # session mode auto: the edge chose the mode itself
+    may_lead: bool  # lock-step rounds may hand over to cloud-led (Draft.lead)
+    draft_tokens: int  # the largest k
+    adaptive: bool  # k chosen per round (edge.adaptive), else draft_tokens
+    obeys_hint: bool  # lock-step blocks shrink to the cloud's hint
+    follow_hint: bool  # a cloud-led speculation reaches no further than the hint
+    draft_ahead: bool  # lock-step drafts the next block while a verdict is in flight
+    lead_first: bool = False  # settled: the first lock-step Draft leads
+
+    @classmethod
+    def of(
+        cls, cfg: GenerationConfig, cloud_only: bool = False, link: Link | None = None
+    ) -> SessionPlan:
+        """The plan of a stream of ``cfg`` (the target alone when ``cloud_only``); ``link``:
+        what the client's previous Started measured."""
+        may_lead = not cloud_only and cfg.may_lead
+        if cloud_only:
+            mode = SessionMode.CLOUD_ONLY
+        elif cfg.session_mode not in SESSION_MODES:
+            raise ValueError(f"session_mode must be one of {SESSION_MODES}")
+        elif cfg.session_mode != AUTO:
+            mode = SessionMode(cfg.session_mode)
+        elif may_lead and link is not None and LeadChoice.lead_at_start(*link):
+            mode = SessionMode.CLOUD_LED
+        else:
+            mode = SessionMode.LOCK_STEP
+        return cls(
+            mode=mode,
+            auto=not cloud_only and cfg.session_mode == AUTO,
+            may_lead=may_lead,
+            draft_tokens=cfg.draft_tokens,
+            adaptive=cfg.adapts,
+            obeys_hint=cfg.obeys_hint,
+            follow_hint=cfg.follow_hint,
+            draft_ahead=cfg.draft_ahead,
+        )
+
+    def settled(self, started: pb.Started, rtt_ms: float | None) -> SessionPlan:
+        """The plan as ``started`` settles it; ``rtt_ms``: Start's round trip."""
+        mode = self._mode_run(started)
+        may_lead = self.may_lead and mode is SessionMode.LOCK_STEP and started.accepts_lead
+        # A round trip of LEAD_AT_START target steps already: lead with the first Draft.
+        lead_first = may_lead and LeadChoice.lead_at_start(rtt_ms, started.step_ms)
+        return dataclasses.replace(self, mode=mode, may_lead=may_lead, lead_first=lead_first)
+
+    def _mode_run(self, started: pb.Started) -> SessionMode:
+        asked = self.mode
+        if started.session_mode == pb.SESSION_MODE_UNSPECIFIED:  # an older server
+            if asked is SessionMode.CLOUD_LED and not started.cloud_led:
+                return SessionMode.LOCK_STEP  # it ignored Start.cloud_led
+            return asked
+        mode = PB_TO_SESSION_MODE.get(started.session_mode)
+        # Lock-step where cloud-led was asked is a server's right (Started.cloud_led); else the
+        # edge could not go on: it drafts for the mode it asked for, or has no draft at all.
+        if mode is not asked and (asked, mode) != (SessionMode.CLOUD_LED, SessionMode.LOCK_STEP):
+            raise SpecsplitError(None, f"asked for session mode {asked}, the server runs {mode}")
+        return mode

@@ -1,0 +1,156 @@
+"""One gRPC stream of a generation, as transport: Start, Started, the messages of its rounds
+with their byte counts, each verdict's statistics, and Finished.
+
+A ``Stream`` knows nothing of drafting or of how a mode's rounds go: edge.rounds opens it and
+hands it to the loop of the session's mode (edge.lockstep, edge.cloud_led, edge.cloud_only),
+which sends and receives through it and extends ``committed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from specsplit.edge.mode_switch import Link
+from specsplit.shared.protocol import (
+    MODE_TO_PB,
+    PROTOCOL_VERSION,
+    pb,
+    sampling_params,
+    session_mode_fields,
+)
+from specsplit.shared.session_mode import SessionMode
+
+if TYPE_CHECKING:
+    from specsplit.edge.client import GenerationConfig
+    from specsplit.edge.generation import GenerationStats
+
+
+class SpecsplitError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode | None, details: str):
+        super().__init__(f"{code.name if code else 'ERROR'}: {details}")
+        self.code = code
+        self.details = details
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def reason_name(reason: int) -> str:
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
+
+
+class Stream:
+    """One call of Generate: Start, then rounds until a final Verdict, then Finished."""
+
+    def __init__(
+        self,
+        stub,
+        metadata: tuple[tuple[str, str], ...] | None,
+        cfg: GenerationConfig,
+        stats: GenerationStats,
+        committed: Sequence[int],
+        max_new_tokens: int,
+        seed: int | None,
+    ):
+        self.stub, self.cfg, self.stats = stub, cfg, stats
+        self.metadata = metadata  # the call's metadata (the bearer token)
+        self.link: Link | None = None  # the round trip and step of a lead-aware Started
+        self.committed = list(committed)  # own copy: the caller extends its list from chunks
+        self.max_new_tokens = max_new_tokens
+        self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
+        self.call = None
+        self.final = ""  # the finish reason, once the final verdict came
+        self.reached = False  # its Started arrived
+        self.write_broke = False  # a write failed: grpc.aio then fails every read as INTERNAL
+        self._t_start = 0.0
+
+    async def send(self, msg: pb.ClientMessage) -> None:
+        self.stats.bytes_up += msg.ByteSize()
+        try:
+            await self.call.write(msg)
+        except asyncio.InvalidStateError:  # the server ended the call first: its status
+            raise rpc_error(await self.call.code(), await self.call.details()) from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INTERNAL:
+                raise
+            self.write_broke = True
+            # grpc core could not send: the connection broke (a server's own INTERNAL status
+            # would have ended the call before the write). Retryable, like any lost link.
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
+
+    async def recv(self, kind: str):
+        try:
+            msg = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            if not (self.write_broke and e.code() == grpc.StatusCode.INTERNAL):
+                raise
+            # The failed write's status, not the server's: what was in flight is lost, so the
+            # stream counts as broken and the generation re-opens from what it committed.
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
+        if msg is grpc.aio.EOF:
+            raise SpecsplitError(None, f"stream closed while waiting for {kind}")
+        self.stats.bytes_down += msg.ByteSize()
+        if msg.WhichOneof("msg") != kind:
+            raise SpecsplitError(None, f"expected {kind}, got {msg.WhichOneof('msg')}")
+        return getattr(msg, kind)
+
+    async def start(self, mode: SessionMode) -> None:
+        """Opens the call and sends Start, asking for session mode ``mode``."""
+        cfg = self.cfg
+        self.call = self.stub.Generate(metadata=self.metadata)
+        start = pb.Start(
+            protocol_version=PROTOCOL_VERSION,
+            model=cfg.model,
+            prompt_ids=self.committed,
+            sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
+            verification=MODE_TO_PB.get(cfg.verification, 0),
+            **session_mode_fields(mode),
+        )
+        self._t_start = time.perf_counter()
+        await self.send(pb.ClientMessage(start=start))
+
+    async def started(self) -> pb.Started:
+        started = await self.recv("started")
+        # The round trip (and, on a cold channel, its setup): the server reports its part.
+        rtt_ms = (time.perf_counter() - self._t_start) * 1e3 - started.setup_ms
+        self.stats.start_rtt_ms = max(0.0, rtt_ms)
+        if started.accepts_lead:  # a server that serves auto: the link, for the next Start
+            self.link = Link(self.stats.start_rtt_ms, started.step_ms)
+        self.reached = True
+        self.seed = self.stats.seed = started.seed
+        return started
+
+    async def finish(self) -> None:
+        """After the final verdict: Finished, and the client's half of the call closed."""
+        finished = await self.recv("finished")
+        self.stats.target_forward_passes += finished.target_forward_passes
+        self.stats.drafts_dropped += finished.drafts_dropped
+        self.stats.finish = reason_name(finished.reason)
+        await self.call.done_writing()
+
+    def observe(self, v: pb.Verdict, drafted: int, draft_ms: float, round_ms: float) -> None:
+        """A verdict's statistics (the modes that draft; cloud-only keeps fewer)."""
+        stats = self.stats
+        stats.rounds += 1
+        stats.drafted += drafted
+        stats.accepted += v.accepted
+        stats.observe_draft(drafted, v.accepted, v.accepted + int(v.has_token))
+        stats.draft_ms.append(draft_ms)
+        stats.round_ms.append(round_ms)
+        stats.verify_ms.append(v.timings.verify_ms)
+        stats.server_ms.append(v.timings.server_ms)
+        stats.queue_ms.append(v.timings.queue_ms)
+        stats.batch_sessions.append(v.timings.batch_sessions)
+        stats.batch_rows.append(v.timings.batch_rows)
+        if v.finished:
+            self.final = reason_name(v.reason)
+
+    async def close(self) -> None:
+        if self.call is not None and not self.call.done():
+            self.call.cancel()
