@@ -112,7 +112,7 @@ def comparison(results: dict, greedy: bool) -> Table:
 
 
 async def demo(args, address: str, draft_dir: Path, edge_threads: int) -> None:
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
 
     codec = TextCodec(draft_dir)

@@ -149,7 +149,7 @@ async def prime(address, replays, prompts, plan, live) -> dict:
                     for i in range(len(out) + 1):
                         prefix = [*p["ids"], *out[:i]]
                         if tuple(prefix) not in replay.blocks:
-                            replay.record(prefix, cfg.sampling, None, cfg.q_entries)
+                            replay.record(prefix, cfg.sampling, None, cfg.q_entries, cfg.q_levels)
             replay.greedy = temperature == 0
         checks[temperature] = await compare_live(
             address, replay, live, prompts[0], plan, temperature
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_sigterm()
 
     from bench.load_report import write_load_report
-    from specsplit.edge.drafter import OnnxDrafter
     from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
     from specsplit.shared.sources import resolve_model
 

@@ -29,7 +29,7 @@ def _percentiles(values: np.ndarray) -> dict:
 
 
 async def _collect(address: str, draft_dir: Path, runs: int) -> dict[str, np.ndarray]:
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
 
     drafter = OnnxDrafter(draft_dir, threads=1)
     cols = {"round": [], "verify": [], "server": [], "triton": []}

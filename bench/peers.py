@@ -3,7 +3,7 @@
 Rows, all greedy, the same chat-templated prompt token ids, the same number of new tokens at
 most, every row stopping at the models' end tokens (as specsplit does): llama.cpp's llama-server
 with the target alone on 1 and on 2 threads, and speculative with the draft (``-md``) for each
-draft length in ``Plan.draft_maxes``; transformers (float32) with the target alone on one core,
+draft length in ``PeersPlan.draft_maxes``; transformers (float32) with the target alone on one core,
 and assisted generation on two; specsplit cloud-only (target on one core) and split with its
 defaults (draft on the other core). The GGUFs are the project's own Q4_K_M files (llama.cpp reads
 them natively; transformers and specsplit read their dequantised conversion). Tokens/s is
@@ -62,7 +62,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PeersPlan:
     prompt_ids: tuple[str, ...]
     max_new_tokens: int
     draft_maxes: tuple[int, ...] = (4, 8, 16)
@@ -70,8 +70,8 @@ class Plan:
 
 PLANS = {
     # Outputs that run past 64 tokens, so every row generates the same count.
-    "full": Plan(("code-00", "code-07", "code-13", "prose-00", "prose-05", "prose-07"), 64),
-    "quick": Plan(("code-00",), 16),
+    "full": PeersPlan(("code-00", "code-07", "code-13", "prose-00", "prose-05", "prose-07"), 64),
+    "quick": PeersPlan(("code-00",), 16),
 }
 
 
@@ -79,7 +79,7 @@ PLANS = {
 class Setup:
     """Everything the rows share: what runs, on which cores, with which files."""
 
-    plan: Plan
+    plan: PeersPlan
     prompts: list[dict]  # bench/prompts.jsonl entries plus "ids": the chat-templated token ids
     models: dict[str, Path]  # target_gguf, draft_gguf, target_hf, draft_hf, onnx
     binary: Path  # llama-server
@@ -90,7 +90,7 @@ class Setup:
     logs: Path
 
 
-def make_rows(plan: Plan, one: tuple[int, ...], both: tuple[int, ...]) -> list[Row]:
+def make_rows(plan: PeersPlan, one: tuple[int, ...], both: tuple[int, ...]) -> list[Row]:
     """``one``: the target's core (the cloud's half); ``both``: every core."""
     return [
         Row("llama.cpp", "target", one),
@@ -209,7 +209,7 @@ def run_specsplit(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
     """Both specsplit rows on one cloud (target on the cloud's cores, no --dtype: the
     project's default precision), the edge's draft in this process on the other cores."""
     from specsplit.cloud.process import CloudProcess
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
 
     onnx, cores = setup.models["onnx"], setup.cloud_cores
     args = ("--target", str(setup.models["target_hf"]), "--threads", str(len(cores)))
@@ -247,7 +247,7 @@ def prepare_models() -> dict[str, Path]:
     }
 
 
-def encoded_prompts(plan: Plan, target_hf: Path) -> list[dict]:
+def encoded_prompts(plan: PeersPlan, target_hf: Path) -> list[dict]:
     from specsplit.edge.text import TextCodec
 
     codec = TextCodec(target_hf)

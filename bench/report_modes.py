@@ -154,7 +154,8 @@ def warm_table(records: list[dict]) -> list[str]:
         "auto-warm is auto on a new client given the link its cell's auto run had just measured"
         " (`SplitClient(link=...)`); both open a fresh channel, so only the memory differs. Where"
         f" the remembered round trip is {LEAD_AT_START:g} target steps, auto-warm starts cloud-led"
-        " (`Start.cloud_led`) instead of leading with its first Draft a round trip later.",
+        " (`Start.session_mode` CLOUD_LED) instead of leading with its first Draft a round trip"
+        " later.",
         "",
         "| condition | T | auto tok/s | auto-warm tok/s | × auto | TTFT p50 ms auto / warm |"
         " started cloud-led |",

@@ -60,7 +60,7 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BenchPlan:
     ks: tuple[int, ...]  # fixed k of lock-step
     k_max: int  # the adaptive modes' maximum (the client's default)
     temperatures: tuple[float, ...]
@@ -97,7 +97,7 @@ class Plan:
     def planned(self) -> int:
         return sum(self.samples_of(c) for c in self.configs()) * len(self.prompts)
 
-    def only(self, conditions: Sequence[float | str]) -> Plan:
+    def only(self, conditions: Sequence[float | str]) -> BenchPlan:
         """This plan cut to some conditions (round trips in ms, ``lte``), for rerunning cells."""
         unknown = [c for c in conditions if c != "lte" and c not in self.rtts_ms]
         if unknown or ("lte" in conditions and not self.lte):
@@ -135,7 +135,7 @@ def load_prompts() -> list[dict]:
     return [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines()]
 
 
-def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
+def make_plan(quick: bool, max_new_tokens: int | None) -> BenchPlan:
     """Full: 8 conditions x 2 temperatures x 8 modes x 2 prompts of 32 tokens, three seeds each
     at T = 0.7 and three runs each greedy, 105-130 min on the 2-core CPU box; quick: 3
     conditions x 2 temperatures x 6 modes x 1 prompt of 16, one seed."""
@@ -143,8 +143,8 @@ def make_plan(quick: bool, max_new_tokens: int | None) -> Plan:
     code = [p for p in prompts if p["class"] == "code"]
     prose = [p for p in prompts if p["class"] == "prose"]
     if quick:
-        return Plan((4,), 8, (0.0, 0.7), (0.0, 200.0), True, (code[0],), max_new_tokens or 16)
-    return Plan(
+        return BenchPlan((4,), 8, (0.0, 0.7), (0.0, 200.0), True, (code[0],), max_new_tokens or 16)
+    return BenchPlan(
         (2, 4, 8),
         8,
         (0.0, 0.7),
@@ -202,7 +202,7 @@ def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
 
 
 def run_meta(
-    plan: Plan, target_dir, draft_dir, precision: str, dtype: str, edge_cores, cloud_cores
+    plan: BenchPlan, target_dir, draft_dir, precision: str, dtype: str, edge_cores, cloud_cores
 ) -> dict:
     """What the report reads besides the raw records: the run's conditions and plan."""
     return {
@@ -218,7 +218,7 @@ def run_meta(
     }
 
 
-async def run_all(plan: Plan, address: str, drafter, codec, raw: Path, done: set) -> None:
+async def run_all(plan: BenchPlan, address: str, drafter, codec, raw: Path, done: set) -> None:
     gateway_port = int(address.rsplit(":", 1)[1])
     encoded = {p["id"]: codec.chat_prompt(p["prompt"]) for p in plan.prompts}
     await generate(
@@ -284,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.overhead import measure_overhead
     from bench.report import write_report
-    from specsplit.edge.drafter import OnnxDrafter
     from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
     from specsplit.shared.sources import resolve_model
 

@@ -87,7 +87,7 @@ async def generate_once(client, rng, prompts, references, kind: Kind, tally: Tal
 
 
 async def worker(j, address, draft_onnx, prompts, references, deadline, tally) -> None:
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
 
     rng = random.Random(j)
     async with SplitClient(address, OnnxDrafter(draft_onnx, threads=1)) as client:
