@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig, logits_to_probs
 from specsplit.shared.tiny import reference_greedy

@@ -11,7 +11,7 @@ import pytest
 
 from specsplit.cloud.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.protocol import PROTOCOL_VERSION, RETRY_AFTER_KEY, pb, pb_grpc
 from specsplit.shared.tiny import reference_greedy
 

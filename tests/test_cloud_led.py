@@ -17,7 +17,7 @@ import pytest
 
 from bench.proxy import DelayProxy
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.drafting import draft_block
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 

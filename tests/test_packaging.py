@@ -109,7 +109,7 @@ def test_edge_extra_works_without_torch(dist, cloud, tiny, tmp_path):
 
 def test_cloud_extra_serves_from_the_installed_model_repository(dist, tiny, tmp_path):
     from specsplit.edge.client import GenerationConfig, SplitClient
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
 
     wheel = next(dist.glob("*.whl"))
     bin_dir = venv(tmp_path / "venv", TORCH, f"{wheel}[cloud]")

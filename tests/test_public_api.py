@@ -12,7 +12,7 @@ import specsplit
 
 def test_public_names_resolve_to_their_definitions():
     from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
 
     expected = [GenerationConfig, OnnxDrafter, SpecsplitError, SplitClient, TextCodec]

@@ -13,7 +13,7 @@ import pytest
 from specsplit.cloud import cpu_kernels
 from specsplit.cloud.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 
 pytestmark = [
     pytest.mark.slow,

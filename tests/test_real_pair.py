@@ -40,7 +40,7 @@ def pair():
 
 
 def test_real_pair_split_equals_target(pair, tmp_path):
-    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
 
     target_dir, draft_dir = pair

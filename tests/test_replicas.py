@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from specsplit.cloud.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny import reference_greedy
 from tests.test_restarts import KillOnce, _triton_pid
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specsplit.cloud.process import CloudProcess
 from specsplit.cloud.triton import TritonServer
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from bench.report import write_report
-from bench.run import Plan, run_all, run_meta
-from specsplit.edge.drafter import OnnxDrafter
+from bench.run import BenchPlan, run_all, run_meta
+from specsplit.edge.onnx_drafter import OnnxDrafter
 
 PROMPTS = (
     {"id": "code-t", "class": "code", "prompt": "def add(a, b):"},
@@ -29,7 +29,7 @@ def bench_run(cloud, tiny, tmp_path_factory):
     """One small bench: two conditions (RTT 0 direct, the LTE-like link through the proxy), both
     temperatures, every mode, a draft that disagrees with the target (rejections, mode switches)."""
     out = tmp_path_factory.mktemp("bench")
-    plan = Plan((2,), 4, (0.0, 0.7), (0.0,), True, PROMPTS, 6)
+    plan = BenchPlan((2,), 4, (0.0, 0.7), (0.0,), True, PROMPTS, 6)
     raw = out / "benchmarks-raw.jsonl"
     drafter = OnnxDrafter(tiny.draft_onnx)
     asyncio.run(run_all(plan, cloud.address, drafter, ByteIds(), raw, set()))

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from bench.replay import K_MAX, ReplayDrafter
-from specsplit.edge.drafting import draft_block, guess_next, propose
+from specsplit.edge.drafting import draft_block
+from specsplit.edge.proposer import guess_next, propose
 from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.sampling import SamplingConfig
 

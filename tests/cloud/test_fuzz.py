@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb
 from specsplit.shared.tiny import reference_greedy
 from tests.cloud.test_gateway_cancel import held_kv_caches, wait_for_kv_caches

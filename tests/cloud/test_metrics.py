@@ -20,8 +20,8 @@ from specsplit.cloud.process import CloudProcess
 from specsplit.cloud.triton import free_port
 from specsplit.cloud.triton_client import VerifyReply
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.generation import GenerationStats
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import MODEL, NOWHERE, FakeTriton
 

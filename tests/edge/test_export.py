@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import pytest
 
-from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.export import export_onnx
+from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
 CPU = ["CPUExecutionProvider"]
@@ -192,7 +192,7 @@ def test_failed_export_keeps_previous_output(tmp_path, qwen_dirs):
 
 def test_drafter_does_not_import_torch():
     code = (
-        "import sys, specsplit.edge.drafter; "
+        "import sys, specsplit.edge.onnx_drafter; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     root = Path(__file__).resolve().parents[2]

@@ -202,9 +202,9 @@ class _BrokenCall:
 
 def test_reads_after_a_failed_write_count_as_a_broken_stream():
     from specsplit.edge.generation import GenerationStats
-    from specsplit.edge.session import Session
+    from specsplit.edge.stream import Stream
 
-    session = Session(None, None, GenerationConfig(), GenerationStats("split"), [1], 4, 0)
+    session = Stream(None, None, GenerationConfig(), GenerationStats("split"), [1], 4, 0)
     session.call = _BrokenCall()
 
     async def go():
