@@ -89,8 +89,6 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
     else:
         raise ValueError("--kv-budget-mib must be > 0")
     log.info("KV budget %.0f MiB at %d bytes a token", budget / 2**20, kv.bytes_per_token)
-    if args.max_sessions < 1:
-        raise ValueError("--max-sessions must be >= 1")
     return Admission(kv, budget, per_client=args.sessions_per_token, max_sessions=args.max_sessions)
 
 

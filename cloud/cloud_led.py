@@ -156,7 +156,7 @@ async def cloud_led_rounds(
             t0 = time.perf_counter()
             draft, tokens, q = pool.take(session.committed, limit)
             round_no = draft.round if draft is not None else 0  # a continuation may come in
-            verdict = await step.verify(tokens, q or None, t0)
+            verdict = await step.verify(tokens, q, t0)
             verdict.round = round_no
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)

@@ -56,15 +56,14 @@ def open_session(
         )
     if start.sampling.max_new_tokens < 1:
         raise ProtocolError(Code.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
-    if start.verification != pb.VERIFICATION_MODE_UNSPECIFIED and start.verification not in (
-        PB_TO_MODE
-    ):
+    requested = PB_TO_MODE.get(start.verification)
+    if requested is None and start.verification != pb.VERIFICATION_MODE_UNSPECIFIED:
         raise ProtocolError(
             Code.INVALID_ARGUMENT, f"unknown verification mode {start.verification}"
         )
     sampling = sampling_config(start.sampling, limits.vocab_size)
     try:
-        mode = resolve_mode(PB_TO_MODE.get(start.verification), sampling.temperature, has_q=True)
+        mode = resolve_mode(requested, sampling.temperature, has_q=True)
     except ValueError as e:
         raise ProtocolError(Code.INVALID_ARGUMENT, str(e)) from None
     session = GatewaySession(
