@@ -8,16 +8,21 @@ a row's result is a function of that row's inputs alone: a verify block of k + 1
 bit-for-bit the logits that k + 1 one-row steps give, which keeps greedy output lossless in
 reduced precision. Build with -ffp-contract=off so the compiler fuses no multiply-add on its own.
 
-Formats: groups of 32 values along the input dimension K (g = k / 32), and super-blocks of P
-groups (P = 8 where K allows, as llama.cpp's K-quants; b = g / P):
-  activations  x[r, k] ~ xs[r, b] * xq[r, k],  xq int8 in [-127, 127], xs = amax / 127
+Formats: groups of 32 values along the input dimension K (g = k / 32), read in pairs (K is a
+multiple of 64), and super-blocks of P groups (P = 8 where K allows, as llama.cpp's K-quants,
+else 4 or 2; b = g / P):
+  activations  x[r, k] ~ xs[r, b] * xq[r, k],  xq int8 in [-127, 127], xs = amax / 127,
+               xsum[r, g] = sum of the group's xq (int16)
   int8 weights w[n, k] = d[n, b] * sc[n, g] * q[n, k],  q int8 in [-127, 127]
   int4 weights w[n, k] = d[n, b] * sc[n, g] * q[n, k] - dm[n, b] * mn[n, g],  q in [0, 15],
                two per byte: byte j of a group holds element j in its low nibble, j + 16 in
                its high one. sc, mn: integer group scales under float super-block ones, so
                the inner loop stays in integers; uint8 for int8 weights, uint16 below 4096
                for int4 ones (fine enough to keep a 4-bit source's own group scales to
-               ~0.1%; sums stay below 2^31: 8 groups * 2 * 15 * 127 * 4095).
+               ~0.1%; sums stay below 2^31: 8 groups * 32 * 15 * 127 * 4095).
+  xq and int8 weights are stored "paired" (see below): each pair of groups as its four
+  16-value halves [g 0..15 | g+1 0..15 | g 16..31 | g+1 16..31], the order in which one 32-byte
+  load of two packed int4 groups yields its values (low nibbles, then high ones).
 */
 #include <immintrin.h>
 #include <math.h>
@@ -28,6 +33,12 @@ groups (P = 8 where K allows, as llama.cpp's K-quants; b = g / P):
 #define QK 32
 #define TILE 4 /* gemm_column's switch covers remainders 1 .. TILE - 1 */
 _Static_assert(TILE == 4, "gemm_column handles remainders of up to 3 rows");
+/* Short columns of weights (K = 1536 in int4: 768 bytes) leave ~15% of the bandwidth to the
+   hardware prefetcher alone, so gemm_column asks for the weights PREFETCH bytes ahead of its
+   own; longer ones (int8 at K = 1536, anything at K = 8960) stream better without (measured
+   on EPYC: 14 -> 17 GB/s for the former, 15 -> 12 for the latter). */
+#define PREFETCH 4096
+#define PREFETCH_COLUMN 1024
 #define MAX_HEAD_DIM 512 /* the Python side checks head_dim <= this and % 8 == 0 */
 
 static inline float hsum8(__m256 v) {
@@ -37,116 +48,178 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256i unpack_q4(const uint8_t *b) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)b);
-    __m128i low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-}
-
 int specsplit_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-static inline int32_t block_mins(const uint16_t *mn, const int32_t *xsum, int64_t P) {
-    if (P == 8) {
-        const __m256i m = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)mn));
-        const __m256i v = _mm256_mullo_epi32(m, _mm256_loadu_si256((const __m256i *)xsum));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        return _mm_cvtsi128_si32(t);
-    }
-    int32_t total = 0;
-    for (int64_t g = 0; g < P; g++) total += (int32_t)mn[g] * xsum[g];
-    return total;
-}
-
-/* Groups per super-block of a K-long row: the most of 8, 4, 2, 1 that divides K / 32. */
+/* Groups per super-block of a K-long row: the most of 8, 4, 2 that divides K / 32 (K is a
+   multiple of 64, so groups come in pairs). */
 static inline int64_t per_block(int64_t K) {
     const int64_t G = K / QK;
-    return G % 8 == 0 ? 8 : (G % 4 == 0 ? 4 : (G % 2 == 0 ? 2 : 1));
+    return G % 8 == 0 ? 8 : (G % 4 == 0 ? 4 : 2);
 }
 
-/* x [M, K] -> xq [M, K], xs [M, B] (one scale per super-block), xsum [M, G] (sum of xq per
-   group); B = K / (32 * per_block(K)) */
+/* The layout of a pair of groups (g, g + 1) of 64 values, for activations and int8 weights:
+   [g 0..15 | g+1 0..15 | g 16..31 | g+1 16..31], so one 32-byte load of a pair's packed int4
+   weights (group g's 16 bytes, then g + 1's) lines up with the activations: its low nibbles
+   with the first 32 bytes, its high nibbles with the last 32 (cpu_kernels.paired in Python). */
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* x [M, K] -> xq [M, K] (paired layout), xs [M, B] (one scale per super-block), xsum [M, G]
+   (sum of xq per group, int16: |sum| <= 32 * 127); B = K / (32 * per_block(K)).
+   Each value: round-to-nearest-even of x / d (the CPU's default rounding), clamped. */
 void specsplit_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs,
-                             int32_t *xsum, int nt) {
+                             int16_t *xsum, int nt) {
     const int64_t L = QK * per_block(K), B = K / L;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
     for (int64_t rb = 0; rb < M * B; rb++) {
         const float *v = x + rb * L;
-        int8_t *q = xq + rb * L;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < L; i++) amax = fmaxf(amax, fabsf(v[i]));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = xq + rb * L; /* L is a whole number of pairs */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 peak = _mm256_setzero_ps();
+        for (int64_t i = 0; i < L; i += 8) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 127.0f;
+        const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (int64_t g = 0; g < L / QK; g++) {
-            int32_t sum = 0;
-            for (int i = 0; i < QK; i++) {
-                int t = (int)nearbyintf(v[g * QK + i] * id);
-                t = t > 127 ? 127 : (t < -127 ? -127 : t);
-                q[g * QK + i] = (int8_t)t;
-                sum += t;
+            __m256i n[4];
+            for (int h = 0; h < 4; h++) {
+                const __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + g * QK + 8 * h), id));
+                n[h] = _mm256_max_epi32(_mm256_min_epi32(t, top), bottom);
             }
-            xsum[rb * (L / QK) + g] = sum;
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
+            int8_t *pair = q + (g / 2) * 2 * QK + (g % 2) * 16; /* paired(): halves 32 apart */
+            _mm_storeu_si128((__m128i *)pair, _mm256_castsi256_si128(bytes));
+            _mm_storeu_si128((__m128i *)(pair + 32), _mm256_extracti128_si256(bytes, 1));
+            xsum[rb * (L / QK) + g] = (int16_t)hsum8_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
         }
         xs[rb] = d;
     }
 }
 
+/* A super-block's P (<= 8) integer group scales as eight 16-bit lanes (zeros past P). */
+static inline __m128i block_scales(const int four, const void *sc, int64_t at, int64_t P) {
+    if (P == 8)
+        return four ? _mm_loadu_si128((const __m128i *)((const uint16_t *)sc + at))
+                    : _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)sc + at)));
+    uint16_t v[8] = {0};
+    for (int64_t g = 0; g < P; g++)
+        v[g] = four ? ((const uint16_t *)sc)[at + g] : ((const uint8_t *)sc)[at + g];
+    return _mm_loadu_si128((const __m128i *)v);
+}
+
+/* pshufb masks: pair j of a super-block's broadcast scales -> [sc[2j] x 8 | sc[2j+1] x 8] */
+static inline __m256i pair_mask(int64_t j) {
+    const char a = (char)(4 * j), b = (char)(4 * j + 2);
+    return _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                            a, a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
+                            b, b + 1, b, b + 1);
+}
+
+static inline float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* out[M, N] = x @ w.T, weights of either format in super-blocks of P groups:
-     int8 (wm == NULL): w = d[n, b] * sc[n, g] * q,           q int8 in [-127, 127]
+     int8 (mn == NULL): w = d[n, b] * sc[n, g] * q,           q int8 in [-127, 127], paired
      int4:              w = d[n, b] * sc[n, g] * q - dm[n, b] * mn[n, g],  q in [0, 15]
-   Per group and row the work is all-integer (a multiply-add of the weight's
-   integer scale); floats only once per super-block. */
-/* One tile of rt rows (a compile-time constant after inlining, so the accumulators live in
-   registers) against column n. */
+   Per pair of groups and row the work is all-integer; floats only once per super-block.
+   int4: the two halves' byte products add in 16 bits (4 products of at most 15 * 127 each)
+   before one multiply-add by the pair's scales; int8 (products up to 2 * 127 * 127) takes a
+   multiply-add per half. One tile of rt rows (a compile-time constant after inlining, so the
+   accumulators live in registers) against column n. */
 static inline __attribute__((always_inline)) void gemm_tile(
-    const int four, const int rt, const int8_t *xq, const float *xs, const int32_t *xsum,
+    const int four, const int rt, const int8_t *xq, const float *xs, const int16_t *xsum,
     int64_t K, const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
     const float *dm, int64_t N, float *out, int64_t n, int64_t r0) {
     const int64_t P = per_block(K), G = K / QK, B = G / P;
     const uint8_t *wrow = wq + n * (four ? K / 2 : K);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[TILE];
-    float offset[TILE];
+    __m128 offset[TILE];
     for (int i = 0; i < rt; i++) {
         acc[i] = _mm256_setzero_ps();
-        offset[i] = 0.0f;
+        offset[i] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < B; b++) {
+        const __m256i scales = _mm256_broadcastsi128_si256(block_scales(four, sc, n * G + b * P, P));
         __m256i sumi[TILE];
         for (int i = 0; i < rt; i++) sumi[i] = _mm256_setzero_si256();
-        for (int64_t g = b * P; g < (b + 1) * P; g++) {
-            const __m256i scale = _mm256_set1_epi16(
-                four ? ((const uint16_t *)sc)[n * G + g] : ((const uint8_t *)sc)[n * G + g]);
-            const __m256i w = four ? unpack_q4(wrow + g * (QK / 2))
-                                   : _mm256_loadu_si256((const __m256i *)(wrow + g * QK));
-            const __m256i wabs = four ? w : _mm256_sign_epi8(w, w);
-            for (int i = 0; i < rt; i++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (r0 + i) * K + g * QK));
-                if (!four) x = _mm256_sign_epi8(x, w);
-                const __m256i p = _mm256_maddubs_epi16(wabs, x);
-                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_madd_epi16(p, scale));
+        for (int64_t j = 0; j < P / 2; j++) {
+            const int64_t g = b * P + 2 * j;
+            const __m256i s = _mm256_shuffle_epi8(scales, pair_mask(j));
+            if (four) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + g * (QK / 2)));
+                const __m256i lo = _mm256_and_si256(w, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                for (int i = 0; i < rt; i++) {
+                    const int8_t *x = xq + (r0 + i) * K + g * QK;
+                    const __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))));
+                    sumi[i] = _mm256_add_epi32(sumi[i], _mm256_madd_epi16(p, s));
+                }
+            } else {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wrow + g * QK));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wrow + g * QK + 32));
+                const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+                for (int i = 0; i < rt; i++) {
+                    const int8_t *x = xq + (r0 + i) * K + g * QK;
+                    const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w0);
+                    const __m256i x1 =
+                        _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + 32)), w1);
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), s),
+                                                       _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), s));
+                    sumi[i] = _mm256_add_epi32(sumi[i], p);
+                }
             }
         }
+        const __m128i mins = four ? block_scales(1, mn, n * G + b * P, P) : _mm_setzero_si128();
         for (int i = 0; i < rt; i++) {
             const float dx = xs[(r0 + i) * B + b];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]),
                                      _mm256_set1_ps(d[n * B + b] * dx), acc[i]);
             if (four) { /* sum over the block's groups of mn * sum(xq): exact integers */
-                const int32_t mins = block_mins(mn + n * G + b * P, xsum + (r0 + i) * G + b * P, P);
-                offset[i] += (dm[n * B + b] * dx) * (float)mins;
+                const int16_t *xs16 = xsum + (r0 + i) * G + b * P;
+                __m128i xv;
+                if (P == 8) xv = _mm_loadu_si128((const __m128i *)xs16);
+                else {
+                    int16_t v[8] = {0};
+                    for (int64_t g = 0; g < P; g++) v[g] = xs16[g];
+                    xv = _mm_loadu_si128((const __m128i *)v);
+                }
+                offset[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, xv)),
+                                         _mm_set1_ps(dm[n * B + b] * dx), offset[i]);
             }
         }
     }
-    for (int i = 0; i < rt; i++) out[(r0 + i) * N + n] = hsum8(acc[i]) - offset[i];
+    for (int i = 0; i < rt; i++) out[(r0 + i) * N + n] = hsum8(acc[i]) - hsum4(offset[i]);
 }
 
 static inline __attribute__((always_inline)) void gemm_column(
-    const int four, const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
+    const int four, const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M, int64_t K,
     const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn, const float *dm,
     int64_t N, float *out, int64_t n) {
+    const int64_t bytes = four ? K / 2 : K; /* one column's weights */
+    if (bytes <= PREFETCH_COLUMN && (n + 1) * bytes + PREFETCH <= N * bytes) {
+        const char *ahead = (const char *)wq + n * bytes + PREFETCH;
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    }
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE)
         gemm_tile(four, TILE, xq, xs, xsum, K, wq, sc, d, mn, dm, N, out, n, r0);
@@ -158,7 +231,7 @@ static inline __attribute__((always_inline)) void gemm_column(
     }
 }
 
-void specsplit_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K,
+void specsplit_gemm(const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M, int64_t K,
                     const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
                     const float *dm, int64_t N, float *out, int nt) {
     if (mn != NULL) {

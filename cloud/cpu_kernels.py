@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 GROUP = 32  # values per quantisation group, along the input dimension
+PAIR = 2 * GROUP  # the kernels read groups in pairs: input dimensions are multiples of this
 MAX_HEAD_DIM = 512
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
@@ -100,23 +101,47 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def check_width(k: int) -> None:
+    """Raises ValueError unless the kernels can read rows of ``k`` values."""
+    if k % PAIR:
+        raise ValueError(f"input dimension {k} is not a multiple of {PAIR} (the CPU kernels')")
+
+
+def fits(config) -> bool:
+    """Whether every projection of a Llama-style decoder reads rows the kernels take."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    widths = (config.hidden_size, config.intermediate_size, heads * head_dim)
+    return all(w % PAIR == 0 for w in widths)
+
+
 def per_block(k: int) -> int:
     """Groups per super-block for rows of ``k`` values (as the C side computes it)."""
     groups = k // GROUP
-    return next(p for p in (8, 4, 2, 1) if groups % p == 0)
+    return next(p for p in (8, 4, 2) if groups % p == 0)
+
+
+def paired(t: torch.Tensor) -> torch.Tensor:
+    """[..., K] in natural order <-> the kernels' paired layout (cpu_kernels.c), either way:
+    each pair of groups as [g 0..15 | g+1 0..15 | g 16..31 | g+1 16..31]."""
+    *lead, k = t.shape
+    check_width(k)
+    halves = t.reshape(*lead, k // PAIR, 2, 2, GROUP // 2)  # [pairs, group, half, 16]
+    return halves.transpose(-3, -2).reshape(*lead, k).contiguous()
 
 
 class QuantizedRows:
-    """Activations quantised to int8, one scale per super-block: ``x ~ xs * xq``; built once
-    per input and shared by every matmul that reads it."""
+    """Activations quantised to int8, one scale per super-block: ``x ~ xs * xq`` (xq in the
+    paired layout, ``paired``); built once per input and shared by every matmul that reads it."""
 
     def __init__(self, x: torch.Tensor):  # [M, K] float32
         x = x.contiguous()
         self.rows, self.k = x.shape
+        check_width(self.k)
         groups = self.k // GROUP
         self.xq = torch.empty((self.rows, self.k), dtype=torch.int8)
         self.xs = torch.empty((self.rows, groups // per_block(self.k)), dtype=torch.float32)
-        self.xsum = torch.empty((self.rows, groups), dtype=torch.int32)
+        self.xsum = torch.empty((self.rows, groups), dtype=torch.int16)
         library().specsplit_quantize_rows(
             _ptr(x), self.rows, self.k, _ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), _threads()
         )
@@ -124,7 +149,7 @@ class QuantizedRows:
 
 def gemm(
     x: QuantizedRows,
-    q: torch.Tensor,  # [N, K] int8, or [N, K / 2] uint8 (int4, packed)
+    q: torch.Tensor,  # [N, K] int8 (paired), or [N, K / 2] uint8 (int4, packed)
     sc: torch.Tensor,  # [N, G] uint8 (int8), int16 (int4)
     d: torch.Tensor,  # [N, B] float32
     mn: torch.Tensor | None = None,  # [N, G] int16 (int4 only)

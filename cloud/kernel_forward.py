@@ -22,6 +22,7 @@ import torch
 
 from specsplit.cloud import cpu_kernels as kernels
 from specsplit.cloud import quant_cache
+from specsplit.cloud.huge_pages import copy_into_huge_pages
 from specsplit.cloud.kv_slots import KVSlots
 from specsplit.cloud.quantized import PROJECTIONS, QuantLinear, choose_bits, layer_projections
 from specsplit.cloud.ragged import Segment, check_supported, logits_rows, rotate_half
@@ -48,6 +49,13 @@ def quantize_layer(layer, weights: str, four_bit: bool) -> dict[str, QuantLinear
         linears = [getattr(getattr(layer, module), n) for n in names]
         out[name] = QuantLinear.quantize(linears, [bits[n] for n in names], four_bit)
     return out
+
+
+def _into_huge_pages(linears: list[QuantLinear]) -> None:
+    """Moves the linears' kernel tensors into one huge-page mapping (``cloud.huge_pages``)."""
+    moved = iter(copy_into_huge_pages([t for lin in linears for _, ts in lin.parts for t in ts]))
+    for lin in linears:
+        lin.parts = [(bits, tuple(next(moved) for _ in ts)) for bits, ts in lin.parts]
 
 
 class _Layer:
@@ -94,6 +102,7 @@ class KernelForward:
             layers, lm_head = state
         self.layers = [_Layer(layer, q) for layer, q in zip(inner.layers, layers, strict=True)]
         self.lm_head = lm_head
+        _into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         self.embed = inner.embed_tokens
         self.norm = inner.norm.float()
         self.rotary = inner.rotary_emb.float()

@@ -119,7 +119,8 @@ def choose(
         return "float", resolve_dtype(dtype, device)
     from specsplit.cloud import cpu_kernels
 
-    quantized = ("int4" if four_bit else "int8") if cpu_kernels.available() else None
+    fit = cpu_kernels.available() and cpu_kernels.fits(config)
+    quantized = ("int4" if four_bit else "int8") if fit else None
     table = calibrate(config, quantized)
     best = min(table, key=lambda fmt: sum(table[fmt].values()))
     log.info(

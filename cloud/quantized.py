@@ -28,8 +28,7 @@ ON_GRID = 0.9  # share of groups on a 4-bit grid for a tensor to count as 4-bit 
 
 def _groups(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
-    if k % GROUP:
-        raise ValueError(f"input dimension {k} is not a multiple of {GROUP}")
+    kernels.check_width(k)
     return w.float().reshape(n, k // GROUP, GROUP)
 
 
@@ -47,11 +46,12 @@ def _two_level(s: torch.Tensor, k: int, top: int) -> tuple[torch.Tensor, ...]:
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[N, K] float -> (q [N, K] int8, sc [N, G] uint8, d [N, B] float32)."""
+    """[N, K] float -> (q [N, K] int8 in the kernels' paired layout, sc [N, G] uint8,
+    d [N, B] float32)."""
     g = _groups(w)
     sc, d, scale = _two_level(g.abs().amax(-1) / 127, w.shape[1], 255)
     q = torch.round(g / scale.clamp(min=1e-30)[..., None]).clamp(-127, 127)
-    return q.to(torch.int8).reshape(w.shape).contiguous(), sc, d
+    return kernels.paired(q.to(torch.int8).reshape(w.shape)), sc, d
 
 
 def _grid(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:
     per = k // 32 // d.shape[1]
     scale = (sc.float() * d.repeat_interleave(per, 1))[..., None]  # [N, G, 1]
     if fmt == "int8":
-        return (q.float().reshape(n, -1, 32) * scale).reshape(n, k)
+        return (kernels.paired(q).float().reshape(n, -1, 32) * scale).reshape(n, k)
     mn, dm = tensors[3:]
     packed = q.reshape(n, k // 32, 16)
     levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [N, G, 32]
@@ -40,7 +40,7 @@ def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("k", [256, 96, 64])  # 8, 1 and 2 groups per super-block
+@pytest.mark.parametrize("k", [256, 128, 64])  # 8, 4 and 2 groups per super-block
 def test_gemm_equals_the_dequantised_product(fmt, k):
     torch.manual_seed(0)
     w = torch.randn(40, k) * 0.05
@@ -50,9 +50,21 @@ def test_gemm_equals_the_dequantised_product(fmt, k):
     assert (wd - w).norm() / w.norm() < (0.01 if fmt == "int8" else 0.15)
     rows = kernels.QuantizedRows(x)
     per = k // 32 // rows.xs.shape[1]
-    xd = rows.xq.float() * rows.xs.repeat_interleave(32 * per, 1)  # x as the kernel sees it
+    xq = kernels.paired(rows.xq).float()  # back to natural order
+    xd = xq * rows.xs.repeat_interleave(32 * per, 1)  # x as the kernel sees it
     got = kernels.gemm(rows, *tensors)
     torch.testing.assert_close(got, xd @ wd.T, rtol=1e-4, atol=1e-4)
+
+
+def test_the_paired_layout_is_its_own_inverse_and_checks_widths():
+    x = torch.arange(2 * 128).reshape(2, 128)
+    p = kernels.paired(x)
+    assert p[0, :32].tolist() == [*range(16), *range(32, 48)]  # first halves of groups 0, 1
+    assert torch.equal(kernels.paired(p), x)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernels.QuantizedRows(torch.zeros(1, 96))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_int4(torch.zeros(4, 96))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
