@@ -17,6 +17,8 @@ from specsplit.shared.acceptance import Mode
 from specsplit.shared.sampling import SamplingConfig
 
 VERIFICATION = {"auto": None, "rejection": Mode.REJECTION, "token-only": Mode.TOKEN_ONLY}
+# One default k for generate, serve and the Python API: GenerationConfig's.
+DRAFT_TOKENS = GenerationConfig.draft_tokens
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -194,7 +196,13 @@ def _add_serve_parser(sub) -> None:
         help="generations at once, each with its own drafter (loaded on first use); "
         "more requests wait (default 4)",
     )
-    s.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per round")
+    s.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=DRAFT_TOKENS,
+        help="the largest k (tokens drafted per round); k adapts per round "
+        f"(default {DRAFT_TOKENS})",
+    )
     s.add_argument("--model", default="", help="target model name at the cloud (default: its own)")
     s.add_argument(
         "--model-name", help="the model id /v1/models lists (default: --model, else specsplit)"
@@ -239,8 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--draft-tokens",
         type=int,
-        default=8,
-        help="the largest k (tokens drafted per round); k adapts per round unless --fixed-k",
+        default=DRAFT_TOKENS,
+        help="the largest k (tokens drafted per round); k adapts per round unless --fixed-k "
+        f"(default {DRAFT_TOKENS})",
     )
     g.add_argument("--fixed-k", action="store_true", help="draft exactly --draft-tokens per round")
     g.add_argument(

@@ -8,7 +8,8 @@ a generation on a pool slot (``openai_pool``) -> text, cut at stop strings on th
 Errors are OpenAI error JSON: 400 for a bad request (FastAPI's validation errors included), the
 cloud's gRPC status mapped to HTTP (UNAVAILABLE -> 503, ...). A streamed request waits for its
 first tokens before answering, so errors from the cloud's Start still get their HTTP status;
-an error after that arrives as an ``error`` event, as OpenAI sends it.
+an error after that arrives as an ``error`` event, as OpenAI sends it. ``/health`` answers for the
+cloud (edge.health): 200 while the gateway says it serves, else 503 with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.health import HealthProbe
 from specsplit.edge.openai_pool import ClientPool, Run
 from specsplit.edge.openai_responses import Reply, finish_reason, speculation, sse, usage
 from specsplit.edge.openai_schema import (
@@ -113,6 +115,7 @@ class Endpoint:
                 return OnnxDrafter(cfg.draft_dir, threads=cfg.threads)
 
         self.pool = ClientPool(cfg.concurrency, make_drafter, address=cfg.server, **cfg.client)
+        self.health = HealthProbe(cfg.server, **cfg.client)
 
     async def answer(self, plan: RequestPlan, reply: Reply):
         client = await self.pool.acquire()
@@ -257,7 +260,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        await endpoint.pool.close()
+        try:
+            await endpoint.pool.close()
+        finally:
+            await endpoint.health.close()
 
     app = FastAPI(title="specsplit edge", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -276,8 +282,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return card
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """For load balancers (open without the API key): ok only while the cloud serves."""
+        cloud = await endpoint.health.check()
+        return JSONResponse(cloud.body(), status_code=200 if cloud.ok else 503)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):

@@ -1,11 +1,14 @@
 """Requests of the OpenAI API the edge serves, checked and turned into a generation plan.
 
 Only what the split can honour is accepted: one choice (``n`` = 1), text content, temperature,
-top_p, seed, max_tokens / max_completion_tokens, stop strings. Everything that would silently
-change the output (penalties, logit_bias, logprobs, tools, JSON mode) is refused with a 400 that
-names the parameter, rather than ignored. Unknown fields are ignored, as OpenAI's SDKs add new
-ones over time. ``model`` is accepted whatever it says: the edge serves the one pair it was
-started with, so an app's existing model name works unchanged; responses name the served model.
+top_p, top_k (the protocol's own, applied alike to p and q), seed, max_tokens /
+max_completion_tokens, stop strings. Everything that would silently change the output (penalties,
+logit_bias, logprobs, tools, JSON mode) is refused with a 400 that names the parameter, rather
+than ignored. So is any other field that is set (not null), unless ``HARMLESS`` lists it: an
+unknown field may well change the output elsewhere (min_p, repetition_penalty, functions, ...),
+and ignoring it would hand back text the app did not ask for. ``model`` is accepted whatever it
+says: the edge serves the one pair it was started with, so an app's existing model name works
+unchanged; responses name the served model.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from specsplit.shared.sampling import SamplingConfig
 # The cloud caps max_new_tokens to its context, so "no limit" (OpenAI's default) is a big number.
 UNLIMITED = 1 << 30
 MAX_STOPS = 4  # OpenAI's own limit
+# Fields this endpoint does not read that change no output: bookkeeping, caching and routing
+# hints of OpenAI's API. Any other field we do not declare is refused when set.
+HARMLESS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
 class APIError(Exception):
@@ -65,11 +71,12 @@ class StreamOptions(BaseModel):
 class _Params(BaseModel):
     """Parameters both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, to be refused by name
 
     model: str = ""
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # not OpenAI's; 0 and -1 (vLLM's) keep every token
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 63)
@@ -122,7 +129,18 @@ class RequestPlan:
     include_usage: bool
 
 
+def _refuse_unknown(req: _Params) -> None:
+    """Fields set that we do not declare, all named: ignoring one could change the output."""
+    unknown = [k for k, v in (req.model_extra or {}).items() if v is not None and k not in HARMLESS]
+    if unknown:
+        names = ", ".join(unknown)
+        raise bad_request(
+            f"not supported by this endpoint (refused, not ignored): {names}", unknown[0]
+        )
+
+
 def _refuse_unsupported(req: _Params) -> None:
+    _refuse_unknown(req)
     if req.n not in (None, 1):
         raise bad_request("n must be 1: this endpoint generates one choice per request", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -130,8 +148,9 @@ def _refuse_unsupported(req: _Params) -> None:
             raise bad_request(f"{name} is not supported (only 0)", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if getattr(req, "logprobs", None):
-        raise bad_request("logprobs are not supported", "logprobs")
+    for name in ("logprobs", "top_logprobs"):
+        if getattr(req, name, None):
+            raise bad_request(f"{name} are not supported", name)
     if getattr(req, "tools", None):
         raise bad_request("tools are not supported", "tools")
     fmt = getattr(req, "response_format", None)
@@ -161,7 +180,8 @@ def _message_text(message: Message, i: int) -> str:
 def _config(req: _Params, max_tokens: int | None, base: GenerationConfig) -> GenerationConfig:
     # OpenAI's defaults: temperature 1 and top_p 1 (sampling); 0 gives the target's greedy output.
     temperature = 1.0 if req.temperature is None else req.temperature
-    sampling = SamplingConfig(temperature=temperature, top_p=req.top_p or 1.0)
+    top_k = max(req.top_k or 0, 0)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=req.top_p or 1.0)
     return replace(base, sampling=sampling, seed=req.seed, max_new_tokens=max_tokens or UNLIMITED)
 
 

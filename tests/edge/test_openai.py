@@ -66,6 +66,7 @@ class EdgeServe:
     def __init__(self, *args: str, log_path: Path):
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [EDGE, "serve", "--port", "0", *args]
+        self.cloud = args[args.index("--server") + 1] if "--server" in args else ""
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.url = ""
         found = threading.Event()
@@ -229,6 +230,12 @@ def test_sampling_with_a_seed_repeats(serve):
     assert a.specsplit["seed"] == 7
 
 
+def test_top_k_one_samples_the_targets_greedy_output(serve, tiny, codec):
+    """top_k reaches both sides: with k = 1 sampling has one choice, the target's argmax."""
+    r = chat(serve.client(), temperature=0.9, seed=7, max_tokens=N, extra_body={"top_k": 1})
+    assert r.choices[0].message.content == expected(tiny, codec, chat_ids(codec))
+
+
 def test_concurrent_requests_beyond_the_pool_all_equal_the_target(serve, tiny, codec):
     """Four requests on a pool of two drafters: two wait, none mixes another's state."""
     prompts = ["alpha", "bravo charlie", "delta", "echo foxtrot golf"]
@@ -252,6 +259,10 @@ def test_concurrent_requests_beyond_the_pool_all_equal_the_target(serve, tiny, c
         (dict(max_tokens=0), "max_tokens"),
         (dict(presence_penalty=0.5), "presence_penalty"),
         (dict(logprobs=True), "logprobs"),
+        # max_tokens=1: were one of these accepted, it would end at once
+        (dict(extra_body={"min_p": 0.1}, max_tokens=1), "min_p"),
+        (dict(extra_body={"repetition_penalty": 1.2}, max_tokens=1), "repetition_penalty"),
+        (dict(extra_body={"functions": [{"name": "f"}]}, max_tokens=1), "functions"),
     ],
 )
 def test_bad_request_is_an_openai_400(serve, kwargs, param):
@@ -259,6 +270,20 @@ def test_bad_request_is_an_openai_400(serve, kwargs, param):
         chat(serve.client(), **kwargs)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+    assert param in e.value.body["message"]
+
+
+def health(server: EdgeServe) -> tuple[int, dict]:
+    url = server.url.removesuffix("/v1") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_health_is_ok_while_the_cloud_serves(serve):
+    assert health(serve) == (200, {"status": "ok", "cloud": "SERVING"})
 
 
 def test_malformed_body_is_an_openai_400(serve):
@@ -285,6 +310,13 @@ def serve_without_cloud(draft_dir, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+def test_health_is_503_while_the_cloud_is_down(serve_without_cloud):
+    """A balancer stops routing to an edge whose cloud cannot serve."""
+    status, body = health(serve_without_cloud)
+    assert status == 503 and body["status"] == "unavailable" and body["cloud"] == "UNAVAILABLE"
+    assert serve_without_cloud.cloud in body["reason"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

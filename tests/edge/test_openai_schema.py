@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from specsplit.edge.client import GenerationConfig
 from specsplit.edge.openai_schema import (
@@ -89,3 +90,54 @@ def test_unsupported_requests_are_refused_naming_the_parameter(make, param):
         plan(req, Codec(), BASE)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def refusal(req) -> APIError:
+    plan = chat_plan if isinstance(req, ChatRequest) else completion_plan
+    with pytest.raises(APIError) as e:
+        plan(req, Codec(), BASE)
+    assert e.value.status == 400
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+    return e.value
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("min_p", 0.05),
+        ("repetition_penalty", 1.1),
+        ("stop_token_ids", [2]),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", "auto"),
+        ("tool_choice", "none"),
+        ("top_logprobs", 2),
+        ("reasoning_effort", "low"),
+    ],
+)
+def test_fields_that_would_change_the_output_are_refused_by_name(field, value):
+    e = refusal(chat(**{field: value}))
+    assert e.param == field and field in e.message
+
+
+def test_every_unknown_field_is_named_and_harmless_ones_pass():
+    harmless = dict(
+        user="u", metadata={"k": "v"}, store=False, service_tier="auto", prompt_cache_key="c"
+    )
+    req = dict(stream_options={"include_usage": True}, min_p=None, **harmless)  # null is unset
+    plan = chat_plan(chat(**req), Codec(), BASE)
+    assert plan.include_usage and plan.prompt_ids == Codec().encode("user:hi;")
+    e = refusal(chat(**{**req, "min_p": 0.1, "repetition_penalty": 1.2}))
+    assert e.param == "min_p" and "min_p, repetition_penalty" in e.message
+    assert not any(name in e.message for name in harmless)
+    # /v1/completions has no max_completion_tokens: ignoring it would run past the app's limit
+    e = refusal(CompletionRequest(prompt="a", max_completion_tokens=2))
+    assert e.param == "max_completion_tokens"
+
+
+def test_top_k_reaches_the_sampling_of_both_sides():
+    """top_k is the protocol's own (SamplingParams.top_k), applied alike to q and p."""
+    assert chat_plan(chat(top_k=5), Codec(), BASE).config.sampling.top_k == 5
+    for off in (None, 0, -1):  # -1 is vLLM's "off"
+        assert chat_plan(chat(top_k=off), Codec(), BASE).config.sampling.top_k == 0
+    with pytest.raises(ValidationError, match="top_k"):  # FastAPI answers it with a 400
+        chat(top_k=-2)

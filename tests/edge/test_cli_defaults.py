@@ -1,0 +1,28 @@
+"""`specsplit-edge` flags that must agree with the Python API: parsed here, nothing started."""
+
+from __future__ import annotations
+
+import specsplit.edge.serve
+from specsplit.edge import cli
+from specsplit.edge.client import GenerationConfig
+from specsplit.edge.openai_app import ServeConfig
+
+
+def test_serve_generate_and_the_api_draft_the_same_k_by_default(monkeypatch, tmp_path):
+    served, generated = [], []
+    monkeypatch.setattr(cli, "ensure_draft_onnx", lambda draft, precision: tmp_path)
+    monkeypatch.setattr(
+        specsplit.edge.serve, "run_server", lambda cfg, *a, **kw: served.append(cfg)
+    )
+
+    async def generate(args):
+        generated.append(cli._config(args))
+        return 0
+
+    monkeypatch.setattr(cli, "_generate", generate)
+    cli.main(["serve"])
+    cli.main(["generate", "--prompt-ids", "1,2"])
+    k = GenerationConfig().draft_tokens
+    assert served[0].generation.draft_tokens == k  # what the OpenAI pool's requests draft
+    assert generated[0].draft_tokens == k
+    assert ServeConfig("a", tmp_path, "m").generation.draft_tokens == k
