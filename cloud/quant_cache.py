@@ -4,13 +4,16 @@ Quantising the 1.5B target (finding each 4-bit group's own grid) takes about a m
 core; every Triton start (tests, a supervisor's restart, a replica) would pay it. The result is
 stored under ``cache_dir()/quantized/<key>.pt`` and loaded with mmap. The key covers everything
 the result depends on: the model's weight files (name, size, mtime), the format, and the source
-of the quantiser (``cloud.quantized``, which lays out the tensors the kernels read); a changed
-file or quantiser makes a new entry. A change to the kernels alone keeps the entry.
+of the quantiser (``cloud.quantized``, and ``cpu_kernels.paired``, the layout the kernels read);
+a changed file or quantiser makes a new entry. A change to the kernels alone keeps the entry.
+An entry is ~1.2 GB for the 1.5B target, so saving one removes the older entries of the same
+model directory and format (the key's first part), which no load can ask for again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specsplit.cloud import cpu_kernels as kernels
 from specsplit.cloud import quantized
 from specsplit.shared.steps import cache_dir, locked
 
@@ -26,14 +30,18 @@ log = logging.getLogger(__name__)
 
 
 def key(model_dir: str | Path, weights: str, four_bit: bool) -> str:
+    """``<model dir and format>-<weight files and quantiser>``: the first part names the slot
+    a newer entry replaces."""
     model_dir = Path(model_dir).resolve()
     files = sorted(
         (p.name, p.stat().st_size, p.stat().st_mtime_ns)
         for p in model_dir.iterdir()
         if p.suffix in (".safetensors", ".bin", ".json")
     )
-    facts = json.dumps([str(model_dir), files, weights, four_bit]).encode()
-    return hashlib.sha256(facts + Path(quantized.__file__).read_bytes()).hexdigest()[:24]
+    slot = hashlib.sha256(json.dumps([str(model_dir), weights, four_bit]).encode()).hexdigest()
+    quantiser = Path(quantized.__file__).read_bytes() + inspect.getsource(kernels.paired).encode()
+    facts = hashlib.sha256(json.dumps(files).encode() + quantiser).hexdigest()
+    return f"{slot[:12]}-{facts[:12]}"
 
 
 def _path(cache_key: str) -> Path:
@@ -75,3 +83,13 @@ def save(cache_key: str, layers, lm_head) -> None:
             Path(tmp).unlink(missing_ok=True)
             raise
     log.info("kept the quantised weights at %s", path)
+    _drop_older(path)
+
+
+def _drop_older(path: Path) -> None:
+    """Removes the other entries of ``path``'s slot (same model directory and format)."""
+    slot = path.stem.split("-", 1)[0]
+    for old in path.parent.glob(f"{slot}-*.pt"):
+        if old != path:
+            old.unlink(missing_ok=True)
+            log.info("removed the outdated quantised weights at %s", old)

@@ -179,3 +179,25 @@ def test_quantised_weights_are_kept_and_reloaded(tiny_dir, tmp_path, monkeypatch
         slot = target.forward.slots.open(1)
         logits.append(target.forward([Segment(slot, [1, 2, 3, 4], True)])[0])
     assert torch.equal(*logits)
+
+
+def test_a_new_entry_replaces_the_outdated_ones_of_its_model_and_format(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """An entry is ~1.2 GB for the real target: a changed quantiser or weight file must not
+    leave the old one behind, and other models' or formats' entries must stay."""
+    from specsplit.cloud import quant_cache
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
+    TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int8")
+    kept = {p.name for p in (tmp_path / "quantized").glob("*.pt")}
+    assert len(kept) == 2
+    int4 = quant_cache.key(tiny_dir, "int4", False)
+    outdated = tmp_path / "quantized" / f"{int4.split('-')[0]}-000000000000.pt"
+    outdated.write_bytes(b"an entry of an older quantiser")
+    (tiny_dir / "config.json").touch()  # a changed weight file: a new key for the same slot
+    TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
+    after = {p.name for p in (tmp_path / "quantized").glob("*.pt")}
+    assert not outdated.exists() and f"{int4}.pt" not in after
+    assert len(after) == 2 and len(after & kept) == 1  # int8's stays
