@@ -3,13 +3,11 @@
 Observed from the protocol itself: ``GatewayMetrics.instrument`` wraps the Generate handler and
 sees each ClientMessage (Start: the stream's mode), each ServerMessage (Verdict: the draft
 tokens its step verified, accepted tokens, bonus, timings; Finished: the reason) and the status
-the stream ends with. The edge counts its ``GenerationStats`` from the same messages, so the
-two agree exactly.
+the stream ends with.
 
-Vocabulary (vLLM's): a *draft* is one block of k > 0 proposed tokens verified in one round; its
-*accepted* tokens are the leading drafts the target kept; *emitted* = accepted + the correction or
-bonus token (absent when a stop condition came first). Rounds with k = 0 (cloud-only streams, the
-last token of a split run, a block hint of 0) commit tokens but are not drafts.
+What a Verdict counts for (drafted = the draft tokens the target verified, accepted, emitted;
+whether its step was a draft) is ``shared.spec_counts.StepCounts``, the one definition the
+edge's ``GenerationStats`` counts by too, in every session mode, so the two agree exactly.
 
 Each service owns a private ``CollectorRegistry``: several gateways in one process (tests) never
 share or collide on a metric. Triton replicas are read at scrape time, one label per replica.
@@ -30,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specsplit.shared.protocol import pb, session_mode_of
 from specsplit.shared.session_mode import SessionMode
+from specsplit.shared.spec_counts import StepCounts
 
 log = logging.getLogger(__name__)
 
@@ -190,23 +189,23 @@ class GatewayMetrics:
         self.bytes_out.inc(msg.ByteSize())
         kind = msg.WhichOneof("msg")
         if kind == "verdict":
-            # Every Verdict says how many draft tokens its step verified, in every mode (a
-            # lock-step stream may turn cloud-led mid-way, where Drafts and Verdicts do not pair).
-            self.observe_verdict(stream.mode, msg.verdict.drafts_verified, msg.verdict)
+            # Read from the Verdict alone, in every mode (a lock-step stream may turn cloud-led
+            # mid-way, where Drafts and Verdicts do not pair up).
+            self.observe_verdict(stream.mode, msg.verdict)
         elif kind == "finished":
             stream.outcome = _FINISH.get(msg.finished.reason, "")
 
-    def observe_verdict(self, mode: str, k: int, v: pb.Verdict) -> None:
-        emitted = v.accepted + int(v.has_token)
+    def observe_verdict(self, mode: str, v: pb.Verdict) -> None:
+        step = StepCounts.of(v)
         self.rounds.labels(mode).inc()
-        self.committed.labels(mode).inc(emitted)
-        if k > 0:
+        self.committed.labels(mode).inc(step.emitted)
+        if step.is_draft:
             self.drafts.inc()
-            self.draft_tokens.inc(k)
-            self.accepted.inc(v.accepted)
-            self.emitted.inc(emitted)
-            self.acceptance_length.observe(emitted)
-            for pos in range(v.accepted):
+            self.draft_tokens.inc(step.drafted)
+            self.accepted.inc(step.accepted)
+            self.emitted.inc(step.emitted)
+            self.acceptance_length.observe(step.emitted)
+            for pos in range(step.accepted):
                 self.accepted_per_pos.labels(str(pos)).inc()
         t = v.timings
         self.server_s.observe(t.server_ms / 1e3)

@@ -161,10 +161,10 @@ async def cloud_led_rounds(
                 if isinstance(v, Exception):
                     raise v
                 now = time.perf_counter()
-                chunk, verified, offset = drafts.apply(v)
+                chunk, offset = drafts.apply(v)
+                step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
                 if reach is not None:
-                    reach.observe(offset, verified, v.accepted)
-                stream.observe(v, verified, 0.0, (now - t_prev) * 1e3)
+                    reach.observe(offset, step.drafted, step.accepted)
                 t_prev = now
                 spec.consume(chunk)
                 remaining -= len(chunk)
@@ -234,16 +234,16 @@ class _Drafts:
             return False
         return True
 
-    def apply(self, v: pb.Verdict) -> tuple[list[int], int, int | None]:
-        """Commits a Verdict; returns its chunk, how many draft tokens its step verified, and
-        how many tokens the cloud committed while its Draft was on the way (None: not known)."""
+    def apply(self, v: pb.Verdict) -> tuple[list[int], int | None]:
+        """Commits a Verdict; returns its chunk and how many tokens the cloud committed while
+        its Draft was on the way (None: not known)."""
         committed = self.stream.committed
         offset = len(committed) - self.sent[v.round][0] if v.round in self.sent else None
         base, tokens = self.sent.get(v.round, (len(committed), []))
         off = len(committed) - base
         chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
         self.stream.committed += chunk
-        return chunk, v.drafts_verified if v.round else 0, offset
+        return chunk, offset
 
 
 def _pause(stats, paused: int) -> int:

@@ -15,7 +15,7 @@ async def cloud_only_rounds(stream: Stream) -> AsyncIterator[list[int]]:
     while True:
         v = await stream.recv("verdict")
         now = time.perf_counter()
-        stats.rounds += 1
+        stats.observe_verdict(v)  # no drafts: a round, its token committed
         stats.round_ms.append((now - t_prev) * 1e3)
         stats.verify_ms.append(v.timings.verify_ms)
         stats.batch_sessions.append(v.timings.batch_sessions)

@@ -5,14 +5,20 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from specsplit.shared.spec_counts import StepCounts
+
+if TYPE_CHECKING:
+    from specsplit.shared.protocol import pb
 
 
 @dataclass
 class GenerationStats:
     mode: str
     new_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
+    rounds: int = 0  # Verdicts
+    drafted: int = 0  # draft tokens the target verified (shared.spec_counts), stale ones never
     accepted: int = 0
     target_forward_passes: int = 0
     wall_s: float = 0.0
@@ -40,17 +46,25 @@ class GenerationStats:
     batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
     batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass
     token_times_s: list[float] = field(default_factory=list)  # commit time of each token
-    # Per draft (a round with k > 0; vLLM's vocabulary, as the gateway's metrics count them):
+    # Per draft (a step that verified k > 0 draft tokens; vLLM's vocabulary, as the gateway's
+    # metrics count them):
     draft_lens: list[int] = field(default_factory=list)  # k
     accepted_lens: list[int] = field(default_factory=list)  # drafts accepted
     emitted_lens: list[int] = field(default_factory=list)  # tokens committed (accepted + bonus)
 
-    def observe_draft(self, k: int, accepted: int, emitted: int) -> None:
-        """Records one round's block; rounds without drafts (k = 0) are not drafts."""
-        if k > 0:
-            self.draft_lens.append(k)
-            self.accepted_lens.append(accepted)
-            self.emitted_lens.append(emitted)
+    def observe_verdict(self, v: pb.Verdict) -> StepCounts:
+        """Counts one Verdict, in any session mode, as the gateway's metrics count it."""
+        return self.observe_step(StepCounts.of(v))
+
+    def observe_step(self, step: StepCounts) -> StepCounts:
+        self.rounds += 1
+        self.drafted += step.drafted
+        self.accepted += step.accepted
+        if step.is_draft:  # steps that verified nothing are not drafts
+            self.draft_lens.append(step.drafted)
+            self.accepted_lens.append(step.accepted)
+            self.emitted_lens.append(step.emitted)
+        return step
 
     @property
     def acceptance_rate(self) -> float:

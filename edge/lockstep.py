@@ -80,7 +80,7 @@ async def lockstep_rounds(
         stream.committed += chunk
         remaining -= len(chunk)
         round_ms = (t2 - t1) * 1e3
-        stream.observe(v, k, draft_ms, round_ms)
+        stream.observe(v, draft_ms, round_ms)
         if plan.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
             stats.block_hint.append(hint)

@@ -24,6 +24,7 @@ from specsplit.shared.protocol import (
     session_mode_fields,
 )
 from specsplit.shared.session_mode import SessionMode
+from specsplit.shared.spec_counts import StepCounts
 
 if TYPE_CHECKING:
     from specsplit.edge.client import GenerationConfig
@@ -134,13 +135,11 @@ class Stream:
         self.stats.finish = reason_name(finished.reason)
         await self.call.done_writing()
 
-    def observe(self, v: pb.Verdict, drafted: int, draft_ms: float, round_ms: float) -> None:
-        """A verdict's statistics (the modes that draft; cloud-only keeps fewer)."""
+    def observe(self, v: pb.Verdict, draft_ms: float, round_ms: float) -> StepCounts:
+        """A verdict's statistics (the modes that draft; cloud-only keeps fewer); returns what
+        it counts for (shared.spec_counts: what the target verified, not what was sent)."""
         stats = self.stats
-        stats.rounds += 1
-        stats.drafted += drafted
-        stats.accepted += v.accepted
-        stats.observe_draft(drafted, v.accepted, v.accepted + int(v.has_token))
+        step = stats.observe_verdict(v)
         stats.draft_ms.append(draft_ms)
         stats.round_ms.append(round_ms)
         stats.verify_ms.append(v.timings.verify_ms)
@@ -150,6 +149,7 @@ class Stream:
         stats.batch_rows.append(v.timings.batch_rows)
         if v.finished:
             self.final = reason_name(v.reason)
+        return step
 
     async def close(self) -> None:
         if self.call is not None and not self.call.done():
