@@ -39,7 +39,7 @@ _Static_assert(TILE == 4, "gemm_column handles remainders of up to 3 rows");
    on EPYC: 14 -> 17 GB/s for the former, 15 -> 12 for the latter). */
 #define PREFETCH 4096
 #define PREFETCH_COLUMN 1024
-#define MAX_HEAD_DIM 512 /* the Python side checks head_dim <= this and % 8 == 0 */
+#define MAX_HEAD_DIM 512 /* the Python side checks head_dim <= this and % 16 == 0 */
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -72,42 +72,94 @@ static inline int32_t hsum8_epi32(__m256i v) {
     return _mm_cvtsi128_si32(t);
 }
 
+/* One super-block of L values (a whole number of pairs of groups) -> its int8 values (paired
+   layout), its scale and its groups' sums. Each value: round-to-nearest-even of v / d (the
+   CPU's default rounding), clamped. */
+static inline void quantize_block(const float *v, int64_t L, int8_t *q, float *xs, int16_t *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 peak = _mm256_setzero_ps();
+    for (int64_t i = 0; i < L; i += 8)
+        peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t g = 0; g < L / QK; g++) {
+        __m256i n[4];
+        for (int h = 0; h < 4; h++) {
+            const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + g * QK + 8 * h), id);
+            n[h] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(t), top), bottom);
+        }
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])),
+            order);
+        int8_t *pair = q + (g / 2) * 2 * QK + (g % 2) * 16; /* the paired layout's halves */
+        _mm_storeu_si128((__m128i *)pair, _mm256_castsi256_si128(bytes));
+        _mm_storeu_si128((__m128i *)(pair + 32), _mm256_extracti128_si256(bytes, 1));
+        xsum[g] = (int16_t)hsum8_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
+    }
+    *xs = d;
+}
+
 /* x [M, K] -> xq [M, K] (paired layout), xs [M, B] (one scale per super-block), xsum [M, G]
-   (sum of xq per group, int16: |sum| <= 32 * 127); B = K / (32 * per_block(K)).
-   Each value: round-to-nearest-even of x / d (the CPU's default rounding), clamped. */
+   (sum of xq per group, int16: |sum| <= 32 * 127); B = K / (32 * per_block(K)). */
 void specsplit_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs,
                              int16_t *xsum, int nt) {
     const int64_t L = QK * per_block(K), B = K / L;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
-    for (int64_t rb = 0; rb < M * B; rb++) {
-        const float *v = x + rb * L;
-        int8_t *q = xq + rb * L; /* L is a whole number of pairs */
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 peak = _mm256_setzero_ps();
-        for (int64_t i = 0; i < L; i += 8) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float d = _mm_cvtss_f32(m) / 127.0f;
-        const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-        const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-        for (int64_t g = 0; g < L / QK; g++) {
-            __m256i n[4];
-            for (int h = 0; h < 4; h++) {
-                const __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + g * QK + 8 * h), id));
-                n[h] = _mm256_max_epi32(_mm256_min_epi32(t, top), bottom);
-            }
-            const __m256i bytes = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
-            int8_t *pair = q + (g / 2) * 2 * QK + (g % 2) * 16; /* paired(): halves 32 apart */
-            _mm_storeu_si128((__m128i *)pair, _mm256_castsi256_si128(bytes));
-            _mm_storeu_si128((__m128i *)(pair + 32), _mm256_extracti128_si256(bytes, 1));
-            xsum[rb * (L / QK) + g] = (int16_t)hsum8_epi32(
-                _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
+    for (int64_t rb = 0; rb < M * B; rb++)
+        quantize_block(x + rb * L, L, xq + rb * L, xs + rb, xsum + rb * (L / QK));
+}
+
+/* RMSNorm then quantisation, as specsplit_quantize_rows of y: y[r, k] = w[k] * (x[r, k] *
+   (1 / sqrt(mean_k x[r, k]^2 + eps))) (Llama's and Qwen2's norm), never stored in float. */
+void specsplit_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, int64_t K,
+                                int8_t *xq, float *xs, int16_t *xsum, int nt) {
+    const int64_t L = QK * per_block(K), B = K / L;
+#pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
+    for (int64_t r = 0; r < M; r++) {
+        const float *v = x + r * K;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < K; i += 8) {
+            const __m256 t = _mm256_loadu_ps(v + i);
+            ss = _mm256_add_ps(ss, _mm256_mul_ps(t, t));
         }
-        xs[rb] = d;
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)K + eps));
+        float y[8 * QK]; /* one super-block: L <= 256 */
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t i = 0; i < L; i += 8) {
+                const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + b * L + i), inv);
+                _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + b * L + i), t));
+            }
+            const int64_t rb = r * B + b;
+            quantize_block(y, L, xq + rb * L, xs + rb, xsum + rb * (L / QK));
+        }
     }
+}
+
+/* Rotary embedding in place, Llama's "rotate half" form: heads [R, H, D] with rows `stride`
+   floats apart; cos/sin [R, D]. x[i] <- x[i] cos[i] - x[i + D/2] sin[i] and
+   x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2], for i < D/2. */
+void specsplit_rope(float *x, int64_t R, int64_t stride, int64_t H, int64_t D, const float *cos,
+                    const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < H; h++) {
+            float *v = x + r * stride + h * D;
+            const float *c = cos + r * D, *s = sin + r * D;
+            for (int64_t i = 0; i < half; i += 8) {
+                const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + half + i);
+                _mm256_storeu_ps(v + i, _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)),
+                                                      _mm256_mul_ps(b, _mm256_loadu_ps(s + i))));
+                _mm256_storeu_ps(v + half + i,
+                                 _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
+                                               _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i))));
+            }
+        }
 }
 
 /* A super-block's P (<= 8) integer group scales as eight 16-bit lanes (zeros past P). */

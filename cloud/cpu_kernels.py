@@ -42,6 +42,8 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 _SIGNATURES = {
     "specsplit_has_avx2": [],
     "specsplit_quantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT],
+    "specsplit_rmsnorm_quantize": [_P, _P, _F32, _I64, _I64, _P, _P, _P, _INT],
+    "specsplit_rope": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "specsplit_gemm": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F32]
     + [_P, _INT],
@@ -134,7 +136,9 @@ class QuantizedRows:
     """Activations quantised to int8, one scale per super-block: ``x ~ xs * xq`` (xq in the
     paired layout, ``paired``); built once per input and shared by every matmul that reads it."""
 
-    def __init__(self, x: torch.Tensor):  # [M, K] float32
+    def __init__(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None):
+        """x [M, K] float32; ``norm`` = (weight [K] float32, eps): quantise RMSNorm(x) instead
+        (Llama's and Qwen2's: ``w * x / sqrt(mean(x^2) + eps)``), fused in one pass."""
         x = x.contiguous()
         self.rows, self.k = x.shape
         check_width(self.k)
@@ -142,9 +146,16 @@ class QuantizedRows:
         self.xq = torch.empty((self.rows, self.k), dtype=torch.int8)
         self.xs = torch.empty((self.rows, groups // per_block(self.k)), dtype=torch.float32)
         self.xsum = torch.empty((self.rows, groups), dtype=torch.int16)
-        library().specsplit_quantize_rows(
-            _ptr(x), self.rows, self.k, _ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), _threads()
-        )
+        out = (_ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), _threads())
+        if norm is None:
+            library().specsplit_quantize_rows(_ptr(x), self.rows, self.k, *out)
+        else:
+            weight, eps = norm
+            if weight.dtype != torch.float32 or weight.shape != (self.k,):
+                raise ValueError("the norm's weight must be float32 of the rows' width")
+            library().specsplit_rmsnorm_quantize(
+                _ptr(x), _ptr(weight.contiguous()), eps, self.rows, self.k, *out
+            )
 
 
 def gemm(
@@ -226,6 +237,18 @@ def attention(
         _threads(),
     )
     return out
+
+
+def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates, in place, the first ``heads`` heads of each row of ``x`` [R, width] float32
+    (Llama's "rotate half" rotary embedding); cos/sin [R, head_dim] float32."""
+    rows, width = x.shape
+    if not x.is_contiguous() or x.dtype != torch.float32 or heads * head_dim > width:
+        raise ValueError("rope needs contiguous float32 rows holding the heads")
+    if head_dim % 16 or cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim):
+        raise ValueError("rope needs head_dim % 16 == 0 and cos/sin of [rows, head_dim]")
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()  # held: C reads them
+    library().specsplit_rope(_ptr(x), rows, width, heads, head_dim, _ptr(cos), _ptr(sin))
 
 
 def _threads() -> int:

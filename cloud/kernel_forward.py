@@ -6,7 +6,8 @@ with rollback by length), for the same Llama-style decoders, with:
   (q/k/v, gate/up), the LM head in int8;
 - activations quantised to int8 per 32 values once per input, shared by the fused matmul;
 - one attention call per layer for every segment of the pass (``cpu_kernels.attention``);
-- norms, rotary embedding and the activation function in float32 torch, row by row.
+- RMSNorm fused into the quantisation of its output, the rotary embedding in place on the
+  fused q/k/v output (both our kernels), the activation function in float32 torch.
 
 Every op is row-wise: a row's logits depend on its own token and its own session's cache only,
 never on how many rows or sessions share the pass (tests/cloud/test_kernel_forward.py proves it
@@ -25,7 +26,7 @@ from specsplit.cloud import quant_cache
 from specsplit.cloud.huge_pages import copy_into_huge_pages
 from specsplit.cloud.kv_slots import KVSlots
 from specsplit.cloud.quantized import PROJECTIONS, QuantLinear, choose_bits, layer_projections
-from specsplit.cloud.ragged import Segment, check_supported, logits_rows, rotate_half
+from specsplit.cloud.ragged import Segment, check_supported, logits_rows
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,20 @@ def _into_huge_pages(linears: list[QuantLinear]) -> None:
         lin.parts = [(bits, tuple(next(moved) for _ in ts)) for bits, ts in lin.parts]
 
 
+def _rms_norm(module) -> tuple[torch.Tensor, float]:
+    """(weight, eps) of a Llama/Qwen2 RMSNorm, for the kernels' fused norm + quantisation."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None or not hasattr(module, "weight"):
+        raise ValueError(f"{type(module).__name__} is not a Llama-style RMSNorm")
+    return module.weight.detach().float().contiguous(), float(eps)
+
+
 class _Layer:
     def __init__(self, layer, linears: dict[str, QuantLinear]):
         self.qkv, self.o = linears["qkv"], linears["o"]
         self.gate_up, self.down = linears["gate_up"], linears["down"]
-        self.input_norm = layer.input_layernorm.float()
-        self.post_norm = layer.post_attention_layernorm.float()
+        self.input_norm = _rms_norm(layer.input_layernorm)
+        self.post_norm = _rms_norm(layer.post_attention_layernorm)
         self.act = layer.mlp.act_fn
         for module, names in LINEARS.values():  # the float weights are no longer needed
             for name in names:
@@ -88,7 +97,7 @@ class KernelForward:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        if self.head_dim % 8 or self.head_dim > kernels.MAX_HEAD_DIM:
+        if self.head_dim % 16 or self.head_dim > kernels.MAX_HEAD_DIM:
             raise ValueError(f"head_dim {self.head_dim} does not suit the CPU kernels")
         self.scale = self.head_dim**-0.5
         inner = model.model
@@ -104,7 +113,7 @@ class KernelForward:
         self.lm_head = lm_head
         _into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         self.embed = inner.embed_tokens
-        self.norm = inner.norm.float()
+        self.norm = _rms_norm(inner.norm)
         self.rotary = inner.rotary_emb.float()
         linears = [lin for layer in self.layers for lin in layer.linears]
         self.bytes = sum(lin.nbytes for lin in linears) + self.lm_head.nbytes
@@ -134,22 +143,20 @@ class KernelForward:
         )
         x = self.embed(ids).float()  # [R, hidden]
         cos, sin = self.rotary(x[None], positions[None])
-        cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, head_dim]
-        rows = x.shape[0]
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [R, head_dim]
+        rows, hd = x.shape[0], self.head_dim
+        q_width, kv_width = self.heads * hd, self.kv_heads * hd
         batch = kernels.RaggedBatch([seg.slot.kv for seg in segments], starts, lengths)
         for li, layer in enumerate(self.layers):
-            qkv = layer.qkv(kernels.QuantizedRows(layer.input_norm(x)))
+            qkv = layer.qkv(kernels.QuantizedRows(x, layer.input_norm)).contiguous()
+            kernels.rope(qkv, self.heads + self.kv_heads, hd, cos, sin)  # q's and k's heads
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-            q = q.reshape(rows, self.heads, self.head_dim)
-            k = k.reshape(rows, self.kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            v = v.reshape(rows, self.kv_heads, self.head_dim)
+            q = q.reshape(rows, self.heads, hd)
+            k, v = k.reshape(rows, self.kv_heads, hd), v.reshape(rows, self.kv_heads, hd)
             attn = kernels.attention(q, k, v, batch, li, self.scale)
             x = x + layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
-            gate, up = layer.gate_up(kernels.QuantizedRows(layer.post_norm(x))).chunk(2, dim=-1)
+            gate, up = layer.gate_up(kernels.QuantizedRows(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(kernels.QuantizedRows(layer.act(gate) * up))
         for seg, start, n in zip(segments, starts, lengths, strict=True):
             seg.slot.length = start + n
-        return logits_rows(x, segments, lambda h: self.lm_head(kernels.QuantizedRows(self.norm(h))))
+        return logits_rows(x, segments, lambda h: self.lm_head(kernels.QuantizedRows(h, self.norm)))
