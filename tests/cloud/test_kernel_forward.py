@@ -206,8 +206,8 @@ def test_a_new_entry_replaces_the_outdated_ones_of_its_model_and_format(
 def test_the_kernels_compute_the_float_models_logits(tiny_dir, tmp_path):
     """The fused norm + quantisation, the in-place rotary embedding and the matmuls together
     stay close to the float model (transformers' modules) at every position. int8: its error
-    on this random tiny model is ~5% (at most ~11%) (int4's is ~35%, too coarse to tell a wrong norm or
-    rotation apart); both formats share every op but the matmuls' inner loop."""
+    on this random tiny model is ~5%, at most ~11% (int4's is ~35%, too coarse to tell a wrong
+    norm or rotation apart); both formats share every op but the matmuls' inner loop."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
