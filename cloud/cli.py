@@ -12,7 +12,12 @@ import signal
 import sys
 from pathlib import Path
 
-from specsplit.cloud.admission import Admission, KVShape, default_budget_bytes
+from specsplit.cloud.admission import (
+    RECLAIM_AFTER_S,
+    Admission,
+    KVShape,
+    default_budget_bytes,
+)
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
 from specsplit.cloud.limits import GatewayLimits
 from specsplit.cloud.metrics import serve_metrics
@@ -89,7 +94,25 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
     else:
         raise ValueError("--kv-budget-mib must be > 0")
     log.info("KV budget %.0f MiB at %d bytes a token", budget / 2**20, kv.bytes_per_token)
-    return Admission(kv, budget, per_client=args.sessions_per_token, max_sessions=args.max_sessions)
+    if args.reclaim_idle_after < 0:
+        raise ValueError("--reclaim-idle-after must be >= 0")
+    return Admission(
+        kv,
+        budget,
+        per_client=_per_client(args),
+        max_sessions=args.max_sessions,
+        reclaim_after_s=args.reclaim_idle_after,
+    )
+
+
+def _per_client(args: argparse.Namespace) -> int | None:
+    """The per-client quota: the flag's value, 0 off; by default a quarter of the places, so
+    one client (token or address) can hold no more than that, however many streams it opens."""
+    if args.sessions_per_token is None:
+        return max(1, args.max_sessions // 4)
+    if args.sessions_per_token < 0:
+        raise ValueError("--sessions-per-token must be >= 0")
+    return args.sessions_per_token or None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -225,8 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--sessions-per-token",
         type=int,
-        help="concurrent sessions one bearer token may hold (without --auth-tokens: one client "
-        "address); default: no quota",
+        help="concurrent streams one bearer token may hold (without --auth-tokens: one client "
+        "address; loopback clients are not counted); 0: no quota (default: a quarter of "
+        "--max-sessions)",
     )
     s.add_argument(
         "--kv-budget-mib",
@@ -245,6 +269,14 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a split stream may stay silent between rounds (default 60)",
+    )
+    s.add_argument(
+        "--reclaim-idle-after",
+        type=float,
+        default=RECLAIM_AFTER_S,
+        help="when the server is full (--max-sessions or the KV budget), end streams idle for "
+        "longer than this many seconds to make room, the least recently active first; their "
+        f"edges re-open from their committed sequence (default {RECLAIM_AFTER_S:g})",
     )
     s.add_argument(
         "--max-message-bytes",

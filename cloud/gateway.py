@@ -14,12 +14,21 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health, health_pb2_grpc
 
-from specsplit.cloud.admission import Admission, Refused, Ticket, client_key
+from specsplit.cloud.admission import (
+    RECLAIM_WAIT_S,
+    Admission,
+    Reclaimed,
+    Reclaiming,
+    Refused,
+    Ticket,
+    client_key,
+)
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.cloud_led import cloud_led_rounds
 from specsplit.cloud.cloud_only import cloud_only_rounds
@@ -61,6 +70,12 @@ log = logging.getLogger(__name__)
 
 _STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
 STEPS_KEPT = 64  # target passes behind Started.step_ms
+RECLAIM_POLL_S = 0.01  # while a reclaimed stream ends, how often its place is looked for
+RECLAIMED = (
+    "session reclaimed: idle while the server was full; "
+    "retry with the committed sequence as the prompt"
+)
+T = TypeVar("T")
 
 
 class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
@@ -101,31 +116,46 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     async def Generate(self, requests, context) -> AsyncIterator[pb.ServerMessage]:
         """admit -> open -> Started -> the mode's rounds -> Finished."""
         try:
-            ticket = self.admission.enter(self._client(context))
+            ticket = await _admitted(lambda: self.admission.enter(self._client(context)))
         except Refused as e:
             await before_refusing(requests)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.trailing_metadata()
             )
+        handler = asyncio.current_task()
+        ticket.end = handler.cancel  # the reclaim policy's: only ever while idle (cloud.admission)
         lease = Lease(self.replicas, self.sequence_factory)
-        messages, session = requests.__aiter__(), None
+        messages, session = _Marked(requests.__aiter__(), ticket), None
         try:
             first = await next_message(messages, self.limits.start_timeout_s, "Start")
             if first is not None:  # else the client half-closed without a Start
-                t_start = time.perf_counter()
-                session, mode = open_session(first, self.model)
-                ticket.reserve(len(session.prompt) + session.max_new_tokens)
-                await lease.start(
-                    session.prompt, session.sampling, session.mode, session.seed, mode.drafts
-                )
-                yield pb.ServerMessage(started=self._started(session, mode, t_start))
-                step = Round(session, lease, self.steps)
+                with ticket.working():
+                    ticket.started = True
+                    t_start = time.perf_counter()
+                    session, mode = open_session(first, self.model)
+                    tokens = len(session.prompt) + session.max_new_tokens
+                    await _admitted(lambda: ticket.reserve(tokens))
+                    await lease.start(
+                        session.prompt, session.sampling, session.mode, session.seed, mode.drafts
+                    )
+                    yield pb.ServerMessage(started=self._started(session, mode, t_start))
+                step = Round(session, lease, self.steps, ticket.working)
                 async for verdict in self._rounds(mode, step, messages):
-                    yield pb.ServerMessage(verdict=verdict)
-                yield pb.ServerMessage(finished=_finished(session))
+                    with ticket.working():
+                        yield pb.ServerMessage(verdict=verdict)
+                with ticket.working():
+                    yield pb.ServerMessage(finished=_finished(session))
         except (Refused, ProtocolError, SessionLost, TritonUnavailable, TritonRequestError) as e:
             await context.abort(*_status(e))
+        except (asyncio.CancelledError, Reclaimed):
+            if not ticket.reclaimed:
+                raise  # the client cancelled, or the server stops
+            if handler.cancelling():
+                handler.uncancel()
+            session = None  # nothing more to read: the stream ends now
+            await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         finally:
+            ticket.end = None
             ticket.leave()
             self._release(lease, ticket)
         reader = session.reader if session is not None else None  # cloud-led: still reading
@@ -173,6 +203,38 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             step_ms=self.steps.ms,
             setup_ms=(time.perf_counter() - t_start) * 1e3,
         )
+
+
+class _Marked:
+    """A stream's client messages, each marking its ticket active (the reclaim policy's clock)."""
+
+    def __init__(self, messages: AsyncIterator, ticket: Ticket):
+        self.messages, self.ticket = messages, ticket
+
+    def __aiter__(self) -> _Marked:
+        return self
+
+    async def __anext__(self):
+        msg = await anext(self.messages)
+        self.ticket.touch()
+        return msg
+
+
+async def _admitted(attempt: Callable[[], T]) -> T:
+    """``attempt()`` (an admission), asked again while reclaimed idle streams are ending, for
+    at most RECLAIM_WAIT_S; then the refusal stands, with its retry hint."""
+    deadline = time.monotonic() + RECLAIM_WAIT_S
+    while True:
+        try:
+            return attempt()
+        except Reclaiming as e:
+            if time.monotonic() > deadline:
+                raise Refused(
+                    f"server full: idle sessions did not end in time; retry in "
+                    f"{e.retry_after_ms} ms, or on another replica",
+                    e.retry_after_ms,
+                ) from None
+            await asyncio.sleep(RECLAIM_POLL_S)
 
 
 def _finished(session: GatewaySession) -> pb.Finished:

@@ -7,8 +7,9 @@ tokens a step verifies and when; this owns how.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.lease import Lease
@@ -20,10 +21,18 @@ from specsplit.shared.sampling import SparseDist
 
 class Round:
     """The steps of one session: ``session`` (its committed prefix and stops), the ``lease`` on
-    its Triton sequence, and the gateway's ``steps`` (recent pass times, for Started.step_ms)."""
+    its Triton sequence, the gateway's ``steps`` (recent pass times, for Started.step_ms), and
+    ``working``: marks a step in flight (cloud.admission: such a session is never reclaimed)."""
 
-    def __init__(self, session: GatewaySession, lease: Lease, steps: StepTime):
+    def __init__(
+        self,
+        session: GatewaySession,
+        lease: Lease,
+        steps: StepTime,
+        working: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         self.session, self.lease, self.steps = session, lease, steps
+        self.working = working
 
     def check(self, draft: pb.Draft, exact_base: bool = True) -> list[SparseDist] | None:
         """Validates a Draft against the session (``GatewaySession.check_draft``) and returns
@@ -66,7 +75,8 @@ class Round:
         session = self.session
         tokens = [session.committed[-1], *drafts]
         # A lost session or a failed replica re-opens from the committed prefix in there.
-        reply = await self.lease.verify(session.committed, tokens, q or None)
+        with self.working():
+            reply = await self.lease.verify(session.committed, tokens, q or None)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
         self.steps.observe(len(tokens), reply.batch_rows, reply.verify_ms)
         return pb.Verdict(
