@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.lease import Lease
 from specsplit.cloud.session import Code, Commit, Finish, GatewaySession, ProtocolError
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.protocol import pb, sparse_from_pb
 from specsplit.shared.sampling import SparseDist
 
@@ -44,7 +44,7 @@ class Round:
             exact_base=exact_base,
             continues=draft.continues,
         )
-        return self._parse_q(draft) if self.session.mode is Mode.REJECTION else None
+        return self._parse_q(draft) if self.session.mode is VerificationMode.REJECTION else None
 
     def _parse_q(self, draft: pb.Draft) -> list[SparseDist]:
         lim = self.session.limits

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specsplit.cloud.kv_growth import MAX_BLOCK
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 
 
@@ -78,7 +78,7 @@ class GatewaySession:
     limits: ModelLimits
     prompt: list[int]
     sampling: SamplingConfig
-    mode: Mode
+    mode: VerificationMode
     seed: int
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
@@ -142,12 +142,12 @@ class GatewaySession:
                 f"{self.limits.max_draft_tokens}",
             )
         check_ids(tokens, self.limits.vocab_size, "draft")
-        if self.mode is Mode.REJECTION and n_q != len(tokens):
+        if self.mode is VerificationMode.REJECTION and n_q != len(tokens):
             raise ProtocolError(
                 Code.INVALID_ARGUMENT,
                 f"rejection mode needs q for every draft token ({n_q} for {len(tokens)})",
             )
-        if self.mode is not Mode.REJECTION and n_q:
+        if self.mode is not VerificationMode.REJECTION and n_q:
             raise ProtocolError(
                 Code.INVALID_ARGUMENT, f"q is only sent in rejection mode (mode {self.mode.name})"
             )

@@ -30,8 +30,8 @@ from specsplit.cloud.kv_slots import Slot
 from specsplit.cloud.precision import check_weights, pick_device
 from specsplit.cloud.ragged import RaggedForward, Segment
 from specsplit.shared.acceptance import (
-    Mode,
     RoundResult,
+    VerificationMode,
     verify_greedy,
     verify_rejection,
     verify_token_only,
@@ -50,7 +50,7 @@ class SessionNotFound(KeyError):
 @dataclass(frozen=True)
 class SessionParams:
     sampling: SamplingConfig
-    mode: Mode
+    mode: VerificationMode
     seed: int = 0
     speculative: bool = True  # False: a cloud-only session (k = 0 every step)
 
@@ -333,19 +333,19 @@ class TargetModel:
             raise ValueError("tokens must hold the last committed token")
         self._check_ids(req.tokens)
         k = len(req.tokens) - 1
-        if session.params.mode is Mode.REJECTION and len(req.q or ()) != k:
+        if session.params.mode is VerificationMode.REJECTION and len(req.q or ()) != k:
             raise ValueError(f"rejection mode needs q for each of the {k} drafts")
         return session
 
     def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
-        if params.mode is Mode.GREEDY:
+        if params.mode is VerificationMode.GREEDY:
             return verify_greedy(logits.argmax(dim=-1).cpu().numpy(), drafts)
         p = logits_to_probs(logits.float().cpu().numpy(), params.sampling)  # [k + 1, V]
         rng = round_rng(params.seed, "verify", base_len)
         # Draws no draft decides share their numbers with the edge's drafting at that position.
         noise = SharedNoise(params.seed, p.shape[-1])
         draw = lambda i, probs: noise.draw(base_len + i, probs)  # noqa: E731
-        if params.mode is Mode.REJECTION:
+        if params.mode is VerificationMode.REJECTION:
             return verify_rejection(p, drafts, q or [], rng, draw)
         return verify_token_only(p, drafts, rng, draw)
 

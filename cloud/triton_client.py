@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 MODEL_NAME = "target"
@@ -133,7 +133,7 @@ class TritonSequence:
         self,
         prompt: Sequence[int],
         sampling: SamplingConfig,
-        mode: Mode,
+        mode: VerificationMode,
         seed: int,
         speculative: bool = True,
     ) -> None:

@@ -13,10 +13,14 @@ from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, Split
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, ensure_draft_onnx
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 
-VERIFICATION = {"auto": None, "rejection": Mode.REJECTION, "token-only": Mode.TOKEN_ONLY}
+VERIFICATION = {
+    "auto": None,
+    "rejection": VerificationMode.REJECTION,
+    "token-only": VerificationMode.TOKEN_ONLY,
+}
 # One default k for generate, serve and the Python API: GenerationConfig's.
 DRAFT_TOKENS = GenerationConfig.draft_tokens
 

@@ -41,7 +41,7 @@ from specsplit.edge.retry import (
 from specsplit.edge.rounds import run_rounds
 from specsplit.edge.session_plan import AUTO, SessionPlan
 from specsplit.edge.stream import SpecsplitError, Stream
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.protocol import pb_grpc
 from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
 from specsplit.shared.seeding import round_rng
@@ -76,7 +76,7 @@ class GenerationConfig:
     # must repeat exactly: follow_hint False, or a seed with temperature > 0 (a cloud-led or
     # adaptive run's blocks depend on timing; greedy output never does).
     session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
-    verification: Mode | None = None  # None: greedy at temperature 0, else rejection
+    verification: VerificationMode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
     # The draft samples from q quantised to this many steps and sends one byte per entry

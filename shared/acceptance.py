@@ -30,7 +30,7 @@ from specsplit.shared.sampling import SparseDist, sample
 Draw = Callable[[int, np.ndarray], int]  # (row i, p[i]) -> a token drawn from p[i]
 
 
-class Mode(enum.IntEnum):
+class VerificationMode(enum.IntEnum):
     """Verification rule; values match the proto's VerificationMode."""
 
     GREEDY = 1
@@ -123,14 +123,16 @@ def verify_token_only(
     return RoundResult(accepted=k, token=_plain(p, k, rng, draw), k=k)
 
 
-def resolve_mode(requested: Mode | None, temperature: float, has_q: bool) -> Mode:
+def resolve_mode(
+    requested: VerificationMode | None, temperature: float, has_q: bool
+) -> VerificationMode:
     """The rule a session uses: greedy at temperature 0, else the requested sampled rule."""
     if temperature == 0.0:
         # A sampled rule at temperature 0 is still exact (p is one-hot), but greedy is cheaper and
         # needs no randomness, so it always wins.
-        return Mode.GREEDY
-    if requested == Mode.GREEDY:
+        return VerificationMode.GREEDY
+    if requested == VerificationMode.GREEDY:
         raise ValueError("greedy verification needs temperature 0")
     if requested is None:
-        return Mode.REJECTION if has_q else Mode.TOKEN_ONLY
+        return VerificationMode.REJECTION if has_q else VerificationMode.TOKEN_ONLY
     return requested

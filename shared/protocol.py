@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "gRPC stubs not generated: install the package (pip install .), or run `make proto`"
     ) from e
 
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig, SparseDist, from_counts
 from specsplit.shared.session_mode import SessionMode
 
@@ -29,9 +29,9 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's own retry policy honours
 RETRY_AFTER_KEY = "retry-after-ms"  # the same hint for clients that retry by hand (the edge)
 
 MODE_TO_PB = {
-    Mode.GREEDY: pb.VERIFICATION_MODE_GREEDY,
-    Mode.REJECTION: pb.VERIFICATION_MODE_REJECTION,
-    Mode.TOKEN_ONLY: pb.VERIFICATION_MODE_TOKEN_ONLY,
+    VerificationMode.GREEDY: pb.VERIFICATION_MODE_GREEDY,
+    VerificationMode.REJECTION: pb.VERIFICATION_MODE_REJECTION,
+    VerificationMode.TOKEN_ONLY: pb.VERIFICATION_MODE_TOKEN_ONLY,
 }
 PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
 SESSION_MODE_TO_PB = {

@@ -18,7 +18,7 @@ import pytest
 from bench.proxy import DelayProxy
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 
@@ -131,7 +131,7 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     assert s.target_forward_passes == s.rounds and s.new_tokens == s.accepted + s.rounds
 
 
-@pytest.mark.parametrize("verification", [Mode.REJECTION, Mode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
 def test_sampled_cloud_led_completes(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.target_onnx)
     port = port_of(cloud)
@@ -153,7 +153,7 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
             await gen.collect()
             return gen.token_ids
 
-    cfg = dict(sampling=sampling, verification=Mode.TOKEN_ONLY, seed=11, draft_tokens=4)
+    cfg = dict(sampling=sampling, verification=VerificationMode.TOKEN_ONLY, seed=11, draft_tokens=4)
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert len(want) == N_NEW

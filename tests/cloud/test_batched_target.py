@@ -8,11 +8,11 @@ from transformers import AutoModelForCausalLM
 
 from specsplit.cloud import target as target_mod
 from specsplit.cloud.target import Close, Open, SessionNotFound, SessionParams, TargetModel, Verify
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
-GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
 
 
 @pytest.fixture(scope="module")

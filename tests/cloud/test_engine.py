@@ -6,10 +6,10 @@ import time
 
 from specsplit.cloud.engine import BatchEngine
 from specsplit.cloud.target import Close, Open, PassInfo, SessionParams, Verify
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 
-P = SessionParams(SamplingConfig(), Mode.GREEDY)
+P = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
 
 
 class FakeTarget:

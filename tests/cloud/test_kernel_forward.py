@@ -15,13 +15,13 @@ from specsplit.cloud import cpu_kernels as kernels
 from specsplit.cloud.quantized import grid_share, quantize_int4, quantize_int8
 from specsplit.cloud.ragged import Segment
 from specsplit.cloud.target import Open, SessionParams, TargetModel, Verify
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
 
-GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
 
 
 def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:

@@ -3,13 +3,15 @@
 import pytest
 
 from specsplit.cloud.session import Code, Finish, GatewaySession, ModelLimits, ProtocolError
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 
 LIMITS = ModelLimits(vocab_size=100, max_context=64, max_draft_tokens=4, eos_token_ids=(99,))
 
 
-def session(max_new_tokens=10, stop_ids=frozenset(), mode=Mode.GREEDY) -> GatewaySession:
+def session(
+    max_new_tokens=10, stop_ids=frozenset(), mode=VerificationMode.GREEDY
+) -> GatewaySession:
     return GatewaySession(LIMITS, [1, 2, 3], SamplingConfig(), mode, 0, max_new_tokens, stop_ids)
 
 
@@ -56,7 +58,7 @@ def test_check_draft_rejects(base_len, tokens, n_q, code, match):
 
 
 def test_rejection_mode_needs_q_per_token():
-    s = session(mode=Mode.REJECTION)
+    s = session(mode=VerificationMode.REJECTION)
     s.check_draft(3, [1, 2], 2)
     with pytest.raises(ProtocolError, match="needs q"):
         s.check_draft(3, [1, 2], 1)

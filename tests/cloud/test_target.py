@@ -8,11 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specsplit.cloud.target import SessionNotFound, SessionParams, TargetModel
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
-GREEDY = SessionParams(SamplingConfig(), Mode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_idle_sessions_are_evicted(target):
 
 
 def test_sampled_round_is_reproducible_by_position(target):
-    params = SessionParams(SamplingConfig(temperature=1.0), Mode.REJECTION, seed=7)
+    params = SessionParams(SamplingConfig(temperature=1.0), VerificationMode.REJECTION, seed=7)
     q = [SparseDist(np.array([10, 11]), np.array([0.5, 0.5]))]
     results = []
     for sid in (1, 2):

@@ -11,7 +11,7 @@ import pytest
 from specsplit.cloud.replicas import KEEPALIVE_MS, _client
 from specsplit.cloud.triton import MIN_PING_INTERVAL_MS
 from specsplit.cloud.triton_client import TritonSequence
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,9 @@ def test_a_session_stream_survives_a_quiet_spell(cloud):
         client = _client(cloud.triton_url)  # the gateway's own channel settings
         session = TritonSequence(client)
         try:
-            await session.start([1, 2, 3], SamplingConfig(temperature=0.0), Mode.TOKEN_ONLY, 0)
+            await session.start(
+                [1, 2, 3], SamplingConfig(temperature=0.0), VerificationMode.TOKEN_ONLY, 0
+            )
             await asyncio.sleep(QUIET_S)
             return (await session.verify(3, [3])).token
         finally:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specsplit.shared.acceptance import (
-    Mode,
+    VerificationMode,
     resolve_mode,
     verify_greedy,
     verify_rejection,
@@ -84,10 +84,10 @@ def test_token_only_with_one_hot_target_matches_greedy():
 
 
 def test_resolve_mode():
-    assert resolve_mode(None, 0.0, has_q=True) is Mode.GREEDY
-    assert resolve_mode(Mode.REJECTION, 0.0, has_q=True) is Mode.GREEDY
-    assert resolve_mode(None, 0.7, has_q=True) is Mode.REJECTION
-    assert resolve_mode(None, 0.7, has_q=False) is Mode.TOKEN_ONLY
-    assert resolve_mode(Mode.TOKEN_ONLY, 0.7, has_q=True) is Mode.TOKEN_ONLY
+    assert resolve_mode(None, 0.0, has_q=True) is VerificationMode.GREEDY
+    assert resolve_mode(VerificationMode.REJECTION, 0.0, has_q=True) is VerificationMode.GREEDY
+    assert resolve_mode(None, 0.7, has_q=True) is VerificationMode.REJECTION
+    assert resolve_mode(None, 0.7, has_q=False) is VerificationMode.TOKEN_ONLY
+    assert resolve_mode(VerificationMode.TOKEN_ONLY, 0.7, has_q=True) is VerificationMode.TOKEN_ONLY
     with pytest.raises(ValueError, match="temperature 0"):
-        resolve_mode(Mode.GREEDY, 0.7, has_q=False)
+        resolve_mode(VerificationMode.GREEDY, 0.7, has_q=False)

@@ -26,7 +26,7 @@ from specsplit.cloud.target import (
     TargetModel,
     Verify,
 )
-from specsplit.shared.acceptance import Mode
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 log = logging.getLogger("specsplit.target")
@@ -100,7 +100,7 @@ def _parse(request) -> Request:
         )
         params = SessionParams(
             sampling,
-            Mode(int(_scalar(request, "MODE", int(Mode.GREEDY)))),
+            VerificationMode(int(_scalar(request, "MODE", int(VerificationMode.GREEDY)))),
             seed=int(_scalar(request, "SEED", 0)),
             speculative=bool(_scalar(request, "SPECULATIVE", 1)),
         )
