@@ -11,7 +11,8 @@ maximises tokens per second of the whole batch:
     time(k)   = cost(other_rows + S * (k + 1))
 
 with S speculative sessions in the batch, acceptance a measured over recent rounds, and the
-other rows (prefills, cloud-only steps) fixed. Edges draft min(their own k, the hint).
+other rows (cloud-only steps) fixed; a prefill's rows are left out, as the next pass will not
+have them. Edges draft min(their own k, the hint).
 """
 
 from __future__ import annotations

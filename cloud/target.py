@@ -288,10 +288,13 @@ class TargetModel:
         if spec and spec_rows == len(spec) and self.last_pass.block_hint == 0:
             self.acceptance.idle()  # no drafts because the hint forbade them (Acceptance.idle)
         other = [req for _, req, s in verifies if not s.params.speculative]
+        # The next pass's other rows: cloud-only steps recur, prefills do not. Counted as fixed
+        # rows, a prefill made drafts look nearly free beside it and the pass's hint jumped
+        # (45 prompt rows beside 8 sessions: 7 instead of 1, on a compute-bound CPU target).
         hint = block_hint(
             self.cost,
             spec_sessions=len(spec),
-            other_rows=rows - spec_rows,
+            other_rows=sum(len(req.tokens) for req in other),
             other_tokens=len(other),
             alpha=self.acceptance.rate,
             k_max=MAX_BLOCK,

@@ -116,3 +116,30 @@ def test_steps_without_drafts_after_a_hint_of_none_revive_the_acceptance_estimat
     target.last_pass = replace(target.last_pass, block_hint=0)
     target.verify(1, 4, [7])
     assert target.acceptance.rate > low
+
+
+def test_a_prefill_in_the_pass_does_not_inflate_the_block_hint(target):
+    """The hint is for the next pass, which will not carry this pass's prefill. Where rows
+    cost time (a compute-bound target, the curve below), counting 45 prompt rows as fixed made
+    drafts look nearly free: the hint jumped from 1 to 7 for 8 sessions at acceptance 0.8."""
+    from specsplit.cloud.capacity import CostModel
+    from specsplit.cloud.target import Open, Verify
+
+    cost = CostModel()
+    for rows, ms in {1: 93, 4: 200, 16: 630, 64: 2360, 128: 4660}.items():
+        for _ in range(3):
+            cost.observe(rows, ms)
+    target.acceptance.accepted, target.acceptance.rejected = 8.0, 2.0  # a = 0.8
+    for sid in range(8):
+        target.start(sid, [5, 9, 2], GREEDY)
+    hints = []
+    for with_prefill in (False, True):
+        target.cost = CostModel()
+        target.cost.ms, target.cost.samples = dict(cost.ms), {}  # fixed: passes leave it be
+        target.cost.observe = lambda rows, ms: None
+        requests = [Verify(sid, target.sessions[sid].cache_len + 1, [2]) for sid in range(8)]
+        if with_prefill:
+            requests.append(Open(99, list(range(45)), GREEDY))
+        target.run(requests)
+        hints.append(target.last_pass.block_hint)
+    assert hints[0] == hints[1] == 1
