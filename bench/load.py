@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with console.status("starting the cloud ..."):
             cloud.start()
+        meta["target_weights"] = served_weights(Path(logs))
         try:
             live = OnnxDrafter(draft_dir, threads=len(edge_cores))
             replays = {t: ReplayDrafter(live, greedy=t == 0) for t in plan.temperatures}
@@ -288,6 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     report = write_load_report(raw, meta_path, args.out, name)
     console.print(f"report: {report}")
     return 0
+
+
+def served_weights(logs: Path) -> str:
+    """The target's weights as the cloud logged them at load ("int4", "float bfloat16", ...):
+    the default is the calibration's choice on this machine, so the report says which."""
+    pattern = re.compile(r"target \S+ on \S+ \((\w+) weights, torch\.(\w+)\)")
+    for path in sorted(logs.rglob("*.log")):
+        found = pattern.search(path.read_text(errors="replace"))
+        if found:
+            fmt, dtype = found.groups()
+            return fmt if fmt != "float" else f"float {dtype}"
+    return "auto (not found in the cloud's log)"
 
 
 if __name__ == "__main__":

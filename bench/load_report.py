@@ -132,7 +132,8 @@ def write_load_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         f"- Machine: {meta['cpu']}, no GPU. Target (Triton + gateway) pinned to core(s) "
         f"{meta['cloud_cores']}; every edge session on core(s) {meta['edge_cores']}, replaying "
         "recorded drafts of the real ONNX draft (see `bench/replay.py`).",
-        f"- Pair: target `{Path(meta['target']).name}` (float32), draft "
+        f"- Pair: target `{Path(meta['target']).name}` "
+        f"({meta.get('target_weights', 'float32')} weights), draft "
         f"`{Path(meta['draft']).name}`; code prompts ({plan['prompts']}) with the chat template; "
         f"edge k = {meta['k']} capped by the cloud's hint; {plan['max_new_tokens']} new tokens "
         "per generation; RTT 0 (loopback).",
