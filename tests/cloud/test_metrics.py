@@ -390,8 +390,10 @@ def test_counters_equal_the_clients_stats_on_real_parts(
     drafted, accepted = sum(s.drafted for s in runs), sum(s.accepted for s in runs)
     if cloud_only:
         assert drafted == 0
-    else:
+    elif session.startswith("lock-step"):  # every Draft is verified: the unrelated one fails
         assert 0 < accepted < drafted
+    else:  # cloud-led: which Drafts a step verifies depends on timing (stale ones are not)
+        assert drafted > 0 and accepted <= drafted
     if session == "cloud-led":  # stale Drafts came, and were drafted on neither side
         assert sum(s.drafts_dropped for s in runs) > 0
     if session == "auto":  # lock-step rounds first, then the hand-over to cloud-led
