@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             str(target_dir),
             "--threads",
             str(len(cloud_cores)),
+            "--triton-log-dir",  # its log says which weights the target was served in
+            logs,
             log_dir=Path(logs),
             cpus=cloud_cores,
         )

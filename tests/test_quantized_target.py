@@ -50,9 +50,13 @@ def test_batched_split_equals_the_served_targets_cloud_only(tiny, tmp_path, weig
         )
         return cloud_only, split
 
-    args = ("--target", str(tiny.target), "--weights", weights)
+    args = ("--target", str(tiny.target), "--weights", weights, "--triton-log-dir", str(tmp_path))
     with CloudProcess(*args, log_dir=tmp_path) as cloud:
         cloud_only, split = asyncio.run(run(cloud.address))
+    # the target's INFO lines reach tritonserver's log: which weights it serves, its cost curve
+    triton_log = "".join(p.read_text() for p in tmp_path.glob("tritonserver-*.log"))
+    assert f"({weights} weights, torch.float32)" in triton_log
+    assert "forward cost by rows" in triton_log
     assert max(b for g in split for b in g.stats.batch_sessions) > 1, "no pass was shared"
     for prompt, ref, got in zip(prompts, cloud_only, split, strict=True):
         assert len(ref.token_ids) == N_NEW

@@ -11,6 +11,7 @@ request.
 import json
 import logging
 import os
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -30,6 +31,18 @@ from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 log = logging.getLogger("specsplit.target")
+
+
+def _log_to_stderr() -> None:
+    """The stub's stderr is tritonserver's log: without a handler, the target's INFO lines
+    (the weights and precision chosen by calibration, its table, the forward cost by rows)
+    were dropped."""
+    root = logging.getLogger("specsplit")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
 
 def _param(config: dict, key: str, default: str = "") -> str:
@@ -114,6 +127,7 @@ def _parse(request) -> Request:
 
 class TritonPythonModel:
     def initialize(self, args):
+        _log_to_stderr()
         config = json.loads(args["model_config"])
         target_dir = os.environ.get("SPECSPLIT_TARGET_DIR") or _param(config, "target_dir")
         if not target_dir or not os.path.isfile(os.path.join(target_dir, "config.json")):
