@@ -340,7 +340,9 @@ def disagreements(d: dict, stats: GenerationStats, label: str) -> dict[str, tupl
 SESSION_CONFIGS = {
     "lock-step-fixed-k": dict(session_mode="lock-step", adaptive=False),
     "lock-step-adaptive": dict(session_mode="lock-step", adaptive=True),
-    "cloud-led": dict(session_mode="cloud-led"),
+    # follow_hint=False: the tiny target's cost model may hint k = 0 (its pass is all lm_head
+    # rows), and a cloud-led edge that obeys drafts nothing, leaving the counters untested.
+    "cloud-led": dict(session_mode="cloud-led", follow_hint=False),
     "auto": dict(session_mode="auto", adaptive=True),  # switches to cloud-led mid-stream
     "cloud-only": {},
 }
