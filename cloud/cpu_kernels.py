@@ -1,11 +1,17 @@
 """The target's batch-invariant CPU kernels (``cpu_kernels.c``): compiled once, called by ctypes.
 
-Why our own kernels: on CPUs without bf16 matrix instructions torch's weight-only int8/int4
-kernels cost in proportion to the rows (a verify block of 9 rows costs 3-5x one row), and none
-of torch's matmuls promise that a row's result is independent of the other rows in the call.
-These read each weight once per pass for every row (memory-bound, like llama.cpp's), quantise
-activations to int8 per 32 values, and compute every output element by one fixed sequence of
-operations (see the C file's contract), so a row's logits never depend on the batch.
+Why our own kernels: torch's weight-only int8/int4 kernels cost in proportion to the rows (a
+verify block of 9 rows costs 3-5x one row), and none of torch's matmuls promise that a row's
+result is independent of the other rows in the call. These read each weight once per pass for
+every row (memory-bound, like llama.cpp's), quantise activations to int8 per 32 values, and
+compute every output element by one fixed sequence of operations (the C file's contract;
+``kernel_layouts.reference_gemm``), so a row's logits never depend on the batch.
+
+Two matmul kernels compute that same product: AVX2 (``vpmaddubsw``, any x86-64 of the last
+decade) and AVX-512 VNNI (``vpdpbusd``, 16 output columns a vector: about 4x fewer instructions
+per extra row, so a verify block costs much less than its rows' one-row steps). ``backend()``
+picks the best the CPU has (``SPECSPLIT_CPU_KERNELS=avx2`` forces the older one); their results
+are bit for bit the same, so a target on one CPU answers as it does on another.
 
 The shared library is built with the system C compiler into the cache
 (``cache_dir()/kernels/<source hash>/``) on first use, under a lock; without a compiler or an
@@ -28,23 +34,36 @@ from pathlib import Path
 
 import torch
 
+from specsplit.cloud import kernel_layouts
+from specsplit.cloud.kernel_layouts import (
+    BACKENDS,
+    GROUP,
+    PAIR,
+    KernelWeights,
+    check_width,
+    paired,
+    per_block,
+)
 from specsplit.shared.steps import cache_dir, locked
 
 log = logging.getLogger(__name__)
 
+__all__ = ["GROUP", "PAIR", "KernelWeights", "check_width", "paired", "per_block"]  # re-exported
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-GROUP = 32  # values per quantisation group, along the input dimension
-PAIR = 2 * GROUP  # the kernels read groups in pairs: input dimensions are multiples of this
 MAX_HEAD_DIM = 512
+BACKEND_ENV = "SPECSPLIT_CPU_KERNELS"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "specsplit_has_avx2": [],
-    "specsplit_quantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT],
-    "specsplit_rmsnorm_quantize": [_P, _P, _F32, _I64, _I64, _P, _P, _P, _INT],
+    "specsplit_has_avx512vnni": [],
+    "specsplit_quantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT, _INT],
+    "specsplit_rmsnorm_quantize": [_P, _P, _F32, _I64, _I64, _P, _P, _P, _INT, _INT],
     "specsplit_rope": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "specsplit_gemm": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
+    "specsplit_gemm_vnni": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F32]
     + [_P, _INT],
 }
@@ -84,10 +103,31 @@ def library() -> ctypes.CDLL:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.specsplit_has_avx2.restype = ctypes.c_int
+    lib.specsplit_has_avx2.restype = lib.specsplit_has_avx512vnni.restype = ctypes.c_int
     if not lib.specsplit_has_avx2():
         raise KernelsUnavailable("the CPU kernels need AVX2 and FMA")
     return lib
+
+
+def supported_backends() -> list[str]:
+    """The matmul kernels this CPU runs, best last."""
+    lib = library()
+    return ["avx2", *(["avx512vnni"] if lib.specsplit_has_avx512vnni() else [])]
+
+
+@cache
+def backend() -> str:
+    """The matmul kernel this process uses: ``$SPECSPLIT_CPU_KERNELS`` if set, else the best
+    the CPU has. Fixed for the process's life: weights are packed once, in its layout."""
+    names = supported_backends()
+    wanted = os.environ.get(BACKEND_ENV, "")
+    if wanted:
+        if wanted not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={wanted!r}: not one of {BACKENDS}")
+        if wanted not in names:
+            raise KernelsUnavailable(f"{BACKEND_ENV}={wanted}: this CPU runs only {names}")
+        return wanted
+    return names[-1]
 
 
 def available() -> bool:
@@ -103,12 +143,6 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def check_width(k: int) -> None:
-    """Raises ValueError unless the kernels can read rows of ``k`` values."""
-    if k % PAIR:
-        raise ValueError(f"input dimension {k} is not a multiple of {PAIR} (the CPU kernels')")
-
-
 def fits(config) -> bool:
     """Whether every projection of a Llama-style decoder reads rows the kernels take."""
     heads = config.num_attention_heads
@@ -117,36 +151,29 @@ def fits(config) -> bool:
     return all(w % PAIR == 0 for w in widths)
 
 
-def per_block(k: int) -> int:
-    """Groups per super-block for rows of ``k`` values (as the C side computes it)."""
-    groups = k // GROUP
-    return next(p for p in (8, 4, 2) if groups % p == 0)
-
-
-def paired(t: torch.Tensor) -> torch.Tensor:
-    """[..., K] in natural order <-> the kernels' paired layout (cpu_kernels.c), either way:
-    each pair of groups as [g 0..15 | g+1 0..15 | g 16..31 | g+1 16..31]."""
-    *lead, k = t.shape
-    check_width(k)
-    halves = t.reshape(*lead, k // PAIR, 2, 2, GROUP // 2)  # [pairs, group, half, 16]
-    return halves.transpose(-3, -2).reshape(*lead, k).contiguous()
-
-
 class QuantizedRows:
-    """Activations quantised to int8, one scale per super-block: ``x ~ xs * xq`` (xq in the
-    paired layout, ``paired``); built once per input and shared by every matmul that reads it."""
+    """Activations quantised to int8, one scale per super-block: ``x ~ xs * xq``; built once
+    per input and shared by every matmul that reads it. xq is in the layout of ``backend``
+    (``paired`` for avx2, natural otherwise)."""
 
-    def __init__(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None):
+    def __init__(
+        self,
+        x: torch.Tensor,
+        norm: tuple[torch.Tensor, float] | None = None,
+        kernel: str | None = None,
+    ):
         """x [M, K] float32; ``norm`` = (weight [K] float32, eps): quantise RMSNorm(x) instead
         (Llama's and Qwen2's: ``w * x / sqrt(mean(x^2) + eps)``), fused in one pass."""
         x = x.contiguous()
         self.rows, self.k = x.shape
         check_width(self.k)
+        self.backend = kernel or backend()
         groups = self.k // GROUP
         self.xq = torch.empty((self.rows, self.k), dtype=torch.int8)
         self.xs = torch.empty((self.rows, groups // per_block(self.k)), dtype=torch.float32)
         self.xsum = torch.empty((self.rows, groups), dtype=torch.int16)
-        out = (_ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), _threads())
+        layout = 1 if self.backend == "avx2" else 0
+        out = (_ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), layout, _threads())
         if norm is None:
             library().specsplit_quantize_rows(_ptr(x), self.rows, self.k, *out)
         else:
@@ -158,17 +185,20 @@ class QuantizedRows:
             )
 
 
-def gemm(
-    x: QuantizedRows,
-    q: torch.Tensor,  # [N, K] int8 (paired), or [N, K / 2] uint8 (int4, packed)
-    sc: torch.Tensor,  # [N, G] uint8 (int8), int16 (int4)
-    d: torch.Tensor,  # [N, B] float32
-    mn: torch.Tensor | None = None,  # [N, G] int16 (int4 only)
-    dm: torch.Tensor | None = None,  # [N, B] float32 (int4 only)
-) -> torch.Tensor:
-    """[M, N] = x @ w.T for int8 (mn, dm None) or int4 weights (formats: cpu_kernels.c)."""
-    out = torch.empty((x.rows, q.shape[0]), dtype=torch.float32)
-    library().specsplit_gemm(
+def pack(bits: int, tensors: tuple[torch.Tensor, ...], kernel: str | None = None) -> KernelWeights:
+    """Natural-layout weights (``cloud.quantized``) in the layout of ``kernel`` [``backend()``]."""
+    return kernel_layouts.pack(kernel or backend(), bits, tensors)
+
+
+def gemm(x: QuantizedRows, w: KernelWeights) -> torch.Tensor:
+    """[M, N] = x @ w.T, w in the layout of x's kernel (``kernel_layouts.pack``)."""
+    if w.backend != x.backend or w.k != x.k:
+        raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
+    out = torch.empty((x.rows, w.n), dtype=torch.float32)
+    q, sc, d, *offsets = w.tensors
+    mn, dm = offsets if offsets else (None, None)
+    fn = library().specsplit_gemm if w.backend == "avx2" else library().specsplit_gemm_vnni
+    fn(
         _ptr(x.xq),
         _ptr(x.xs),
         _ptr(x.xsum),
@@ -179,7 +209,7 @@ def gemm(
         _ptr(d),
         None if mn is None else _ptr(mn),
         None if dm is None else _ptr(dm),
-        q.shape[0],
+        w.n,
         _ptr(out),
         _threads(),
     )

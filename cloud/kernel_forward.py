@@ -16,6 +16,7 @@ bit for bit), so a verify block and one-token steps agree exactly in any precisi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -52,11 +53,18 @@ def quantize_layer(layer, weights: str, four_bit: bool) -> dict[str, QuantLinear
     return out
 
 
-def _into_huge_pages(linears: list[QuantLinear]) -> None:
-    """Moves the linears' kernel tensors into one huge-page mapping (``cloud.huge_pages``)."""
-    moved = iter(copy_into_huge_pages([t for lin in linears for _, ts in lin.parts for t in ts]))
+def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
+    """Puts the linears' weights in the kernel's layout, in one huge-page mapping
+    (``cloud.huge_pages``), one linear at a time (peak memory: the packed copies + one)."""
     for lin in linears:
-        lin.parts = [(bits, tuple(next(moved) for _ in ts)) for bits, ts in lin.parts]
+        lin.pack()
+    tensors = [t for lin in linears for w in lin.kernel_parts for t in w.tensors]
+    moved = iter(copy_into_huge_pages(tensors))
+    for lin in linears:
+        lin.kernel_parts = [
+            dataclasses.replace(w, tensors=tuple(next(moved) for _ in w.tensors))
+            for w in lin.kernel_parts
+        ]
 
 
 def _rms_norm(module) -> tuple[torch.Tensor, float]:
@@ -111,7 +119,7 @@ class KernelForward:
             layers, lm_head = state
         self.layers = [_Layer(layer, q) for layer, q in zip(inner.layers, layers, strict=True)]
         self.lm_head = lm_head
-        _into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
+        _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         self.embed = inner.embed_tokens
         self.norm = _rms_norm(inner.norm)
         self.rotary = inner.rotary_emb.float()
@@ -119,9 +127,10 @@ class KernelForward:
         self.bytes = sum(lin.nbytes for lin in linears) + self.lm_head.nbytes
         parts = [bits for lin in linears for bits in lin.bits]
         log.info(
-            "%s weights: %d matmuls in int4, %d in int8 (4-bit source: %s), LM head int8, "
-            "%.0f MB read per pass",
+            "%s weights on the %s kernels: %d matmuls in int4, %d in int8 (4-bit source: %s), "
+            "LM head int8, %.0f MB read per pass",
             weights,
+            kernels.backend(),
             parts.count(4),
             parts.count(8),
             four_bit,

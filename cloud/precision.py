@@ -67,12 +67,12 @@ def _mlp_timer(fmt: str, hidden: int, intermediate: int):
         from specsplit.cloud import cpu_kernels as kernels
         from specsplit.cloud.quantized import quantize_int4, quantize_int8
 
-        quantize = quantize_int8 if fmt == "int8" else quantize_int4
-        wu, wd = quantize(up), quantize(down)
+        quantize, bits = (quantize_int8, 8) if fmt == "int8" else (quantize_int4, 4)
+        wu, wd = kernels.pack(bits, quantize(up)), kernels.pack(bits, quantize(down))
 
         def run(x):
-            h = kernels.gemm(kernels.QuantizedRows(x), *wu)[:, :intermediate]
-            return kernels.gemm(kernels.QuantizedRows(h.contiguous()), *wd)
+            h = kernels.gemm(kernels.QuantizedRows(x), wu)[:, :intermediate]
+            return kernels.gemm(kernels.QuantizedRows(h.contiguous()), wd)
 
     else:
         from specsplit.cloud.packed_linear import PackedLinear

@@ -2,10 +2,11 @@
 
 Quantising the 1.5B target (finding each 4-bit group's own grid) takes about a minute on one
 core; every Triton start (tests, a supervisor's restart, a replica) would pay it. The result is
-stored under ``cache_dir()/quantized/<key>.pt`` and loaded with mmap. The key covers everything
-the result depends on: the model's weight files (name, size, mtime), the format, and the source
-of the quantiser (``cloud.quantized``, and ``cpu_kernels.paired``, the layout the kernels read);
-a changed file or quantiser makes a new entry. A change to the kernels alone keeps the entry.
+stored under ``cache_dir()/quantized/<key>.pt`` and loaded with mmap, in the natural layout
+(``cloud.kernel_layouts``): whichever kernel the CPU runs packs it at load. The key covers
+everything the result depends on: the model's weight files (name, size, mtime), the format, and
+the source of the quantiser (``cloud.quantized``); a changed file or quantiser makes a new
+entry. A change to the kernels or their layouts alone keeps the entry.
 An entry is ~1.2 GB for the 1.5B target, so saving one removes the older entries of the same
 model directory and format (the key's first part), which no load can ask for again.
 """
@@ -13,7 +14,6 @@ model directory and format (the key's first part), which no load can ask for aga
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from specsplit.cloud import cpu_kernels as kernels
 from specsplit.cloud import quantized
 from specsplit.shared.steps import cache_dir, locked
 
@@ -39,7 +38,7 @@ def key(model_dir: str | Path, weights: str, four_bit: bool) -> str:
         if p.suffix in (".safetensors", ".bin", ".json")
     )
     slot = hashlib.sha256(json.dumps([str(model_dir), weights, four_bit]).encode()).hexdigest()
-    quantiser = Path(quantized.__file__).read_bytes() + inspect.getsource(kernels.paired).encode()
+    quantiser = Path(quantized.__file__).read_bytes()
     facts = hashlib.sha256(json.dumps(files).encode() + quantiser).hexdigest()
     return f"{slot[:12]}-{facts[:12]}"
 

@@ -46,12 +46,11 @@ def _two_level(s: torch.Tensor, k: int, top: int) -> tuple[torch.Tensor, ...]:
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[N, K] float -> (q [N, K] int8 in the kernels' paired layout, sc [N, G] uint8,
-    d [N, B] float32)."""
+    """[N, K] float -> (q [N, K] int8, sc [N, G] uint8, d [N, B] float32)."""
     g = _groups(w)
     sc, d, scale = _two_level(g.abs().amax(-1) / 127, w.shape[1], 255)
     q = torch.round(g / scale.clamp(min=1e-30)[..., None]).clamp(-127, 127)
-    return kernels.paired(q.to(torch.int8).reshape(w.shape)), sc, d
+    return q.to(torch.int8).reshape(w.shape), sc, d
 
 
 def _grid(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,11 +113,20 @@ def grid_share(w: torch.Tensor, rows: int = 256) -> float:
 
 class QuantLinear:
     """y = x @ [W_1; W_2; ...].T + b: the linears that read one input (q/k/v, gate/up) fused
-    into one output. Each part is one matmul over consecutive linears of one format:
-    (bits, kernel tensors) in ``cpu_kernels.gemm``'s order."""
+    into one output. Each part is one matmul over consecutive linears of one format: (bits,
+    tensors) in the natural layout (``kernel_layouts``), until ``pack`` puts them in the
+    kernel's layout for ``__call__``."""
 
     def __init__(self, parts: list[tuple[int, tuple[torch.Tensor, ...]]], bias=None):
         self.parts, self.bias = parts, bias
+        self.bits = [bits for bits, _ in parts]
+        self.kernel_parts: list[kernels.KernelWeights] = []
+
+    def pack(self, kernel: str | None = None) -> None:
+        """Puts the weights in the layout of ``kernel`` [this CPU's] and lets the natural ones
+        go (``state`` is no longer available)."""
+        self.kernel_parts = [kernels.pack(bits, tensors, kernel) for bits, tensors in self.parts]
+        self.parts = []
 
     @classmethod
     def quantize(
@@ -147,6 +155,8 @@ class QuantLinear:
         return cls(parts, bias)
 
     def state(self) -> dict:
+        if not self.parts:
+            raise RuntimeError("a packed QuantLinear keeps no natural-layout weights")
         return {"parts": [[bits, list(t)] for bits, t in self.parts], "bias": self.bias}
 
     @classmethod
@@ -154,15 +164,15 @@ class QuantLinear:
         return cls([(bits, tuple(t)) for bits, t in state["parts"]], state["bias"])
 
     @property
-    def bits(self) -> list[int]:
-        return [bits for bits, _ in self.parts]
-
-    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, tensors in self.parts for t in tensors)
+        return sum(w.nbytes for w in self.kernel_parts) or sum(
+            t.numel() * t.element_size() for _, tensors in self.parts for t in tensors
+        )
 
     def __call__(self, x: kernels.QuantizedRows) -> torch.Tensor:
-        outs = [kernels.gemm(x, *tensors) for _, tensors in self.parts]
+        if not self.kernel_parts:
+            self.pack(x.backend)
+        outs = [kernels.gemm(x, w) for w in self.kernel_parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias
 

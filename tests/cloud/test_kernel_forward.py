@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specsplit.cloud import cpu_kernels as kernels
+from specsplit.cloud.kernel_layouts import int4_levels, paired, reference_gemm
 from specsplit.cloud.quantized import grid_share, quantize_int4, quantize_int8
 from specsplit.cloud.ragged import Segment
 from specsplit.cloud.target import Open, SessionParams, TargetModel, Verify
@@ -22,6 +23,12 @@ from specsplit.shared.tiny import make_tiny_qwen2
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
 
 GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+BACKENDS = kernels.supported_backends() if kernels.available() else []
+
+
+def natural(rows: kernels.QuantizedRows) -> torch.Tensor:
+    """The rows' int8 values in natural order, whatever the kernel's layout."""
+    return paired(rows.xq) if rows.backend == "avx2" else rows.xq
 
 
 def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:
@@ -31,29 +38,46 @@ def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:
     per = k // 32 // d.shape[1]
     scale = (sc.float() * d.repeat_interleave(per, 1))[..., None]  # [N, G, 1]
     if fmt == "int8":
-        return (kernels.paired(q).float().reshape(n, -1, 32) * scale).reshape(n, k)
+        return (q.float().reshape(n, -1, 32) * scale).reshape(n, k)
     mn, dm = tensors[3:]
-    packed = q.reshape(n, k // 32, 16)
-    levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [N, G, 32]
+    levels = int4_levels(q).float().reshape(n, k // 32, 32)
     offset = (mn.float() * dm.repeat_interleave(per, 1))[..., None]
     return (levels * scale - offset).reshape(n, k)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("k", [256, 128, 64])  # 8, 4 and 2 groups per super-block
-def test_gemm_equals_the_dequantised_product(fmt, k):
+def test_gemm_equals_the_dequantised_product(fmt, k, backend):
     torch.manual_seed(0)
     w = torch.randn(40, k) * 0.05
     x = torch.randn(5, k)
     tensors = quantize_int8(w) if fmt == "int8" else quantize_int4(w)
     wd = dequantised(fmt, tensors, k)
     assert (wd - w).norm() / w.norm() < (0.01 if fmt == "int8" else 0.15)
-    rows = kernels.QuantizedRows(x)
+    rows = kernels.QuantizedRows(x, kernel=backend)
     per = k // 32 // rows.xs.shape[1]
-    xq = kernels.paired(rows.xq).float()  # back to natural order
-    xd = xq * rows.xs.repeat_interleave(32 * per, 1)  # x as the kernel sees it
-    got = kernels.gemm(rows, *tensors)
+    xd = natural(rows).float() * rows.xs.repeat_interleave(32 * per, 1)  # x as kernels see it
+    got = kernels.gemm(rows, kernels.pack(8 if fmt == "int8" else 4, tensors, backend))
     torch.testing.assert_close(got, xd @ wd.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n, k", [(40, 256), (16, 128), (33, 64), (48, 1536)])
+def test_every_kernel_computes_the_canonical_product_bit_for_bit(backend, bits, n, k):
+    """The C kernels (AVX2, AVX-512 VNNI) equal the canonical product written in torch, bit for
+    bit: so they equal each other, and a target answers the same on every CPU it runs on. Large
+    activations and weights push the integer sums towards their bounds."""
+    gen = torch.Generator().manual_seed(n * k + bits)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[:, :32] *= 40  # one group far larger than the rest: extreme integer scales
+    tensors = quantize_int8(w) if bits == 8 else quantize_int4(w)
+    x = torch.randn(7, k, generator=gen) * 3
+    x[:, 5] = 100.0  # an outlier: most of the row's values quantise near zero
+    rows = kernels.QuantizedRows(x, kernel=backend)
+    expected = reference_gemm(natural(rows), rows.xs, rows.xsum, bits, tensors)
+    assert torch.equal(kernels.gemm(rows, kernels.pack(bits, tensors, backend)), expected)
 
 
 def test_the_paired_layout_is_its_own_inverse_and_checks_widths():
@@ -67,20 +91,23 @@ def test_the_paired_layout_is_its_own_inverse_and_checks_widths():
         quantize_int4(torch.zeros(4, 96))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_row_does_not_depend_on_the_other_rows_or_threads(fmt):
+def test_a_row_does_not_depend_on_the_other_rows_or_threads(fmt, backend):
     torch.manual_seed(1)
     w = torch.randn(72, 512) * 0.05
-    tensors = quantize_int8(w) if fmt == "int8" else quantize_int4(w)
+    bits = 8 if fmt == "int8" else 4
+    weights = kernels.pack(bits, quantize_int8(w) if bits == 8 else quantize_int4(w), backend)
     x = torch.randn(11, 512)
-    together = kernels.gemm(kernels.QuantizedRows(x), *tensors)
+    together = kernels.gemm(kernels.QuantizedRows(x, kernel=backend), weights)
     for i in range(11):
-        alone = kernels.gemm(kernels.QuantizedRows(x[i : i + 1]), *tensors)
+        alone = kernels.gemm(kernels.QuantizedRows(x[i : i + 1], kernel=backend), weights)
         assert torch.equal(alone[0], together[i])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(kernels.gemm(kernels.QuantizedRows(x), *tensors), together)
+        again = kernels.gemm(kernels.QuantizedRows(x, kernel=backend), weights)
+        assert torch.equal(again, together)
     finally:
         torch.set_num_threads(threads)
 
@@ -140,6 +167,35 @@ def test_logits_are_bitwise_the_same_alone_and_batched(tiny_dir, fmt):
             got[sid].append(logits)
     for sid, rows in enumerate(got):
         assert torch.equal(torch.cat(rows), alone[sid]), sid
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="this CPU runs one kernel only")
+def test_every_kernel_gives_the_same_logits_for_a_whole_model(tiny_dir, monkeypatch):
+    """A target served on another CPU (another kernel) answers bit for bit the same: a session
+    that fails over to a replica on another machine continues exactly."""
+    logits = []
+    try:
+        for backend in BACKENDS:
+            monkeypatch.setenv(kernels.BACKEND_ENV, backend)
+            kernels.backend.cache_clear()
+            target = TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
+            slot = target.forward.slots.open(1)
+            logits.append(target.forward([Segment(slot, [3, 1, 4, 1, 5, 9, 2, 6], True)])[0])
+    finally:
+        monkeypatch.delenv(kernels.BACKEND_ENV)
+        kernels.backend.cache_clear()
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+def test_a_kernel_the_cpu_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV, "sse2")
+    kernels.backend.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="not one of"):
+            kernels.backend()
+    finally:
+        monkeypatch.delenv(kernels.BACKEND_ENV)
+        kernels.backend.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
