@@ -38,8 +38,10 @@ class SpecsplitError(RuntimeError):
         self.details = details
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailing: grpc.aio.Metadata | None = None
+) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
 
 
 def reason_name(reason: int) -> str:
@@ -76,7 +78,10 @@ class Stream:
         try:
             await self.call.write(msg)
         except asyncio.InvalidStateError:  # the server ended the call first: its status
-            raise rpc_error(await self.call.code(), await self.call.details()) from None
+            # with its trailing metadata: a busy cloud's retry hint is in there (edge.retry)
+            call = self.call
+            trailing = await call.trailing_metadata()
+            raise rpc_error(await call.code(), await call.details(), trailing) from None
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.INTERNAL:
                 raise
