@@ -3,12 +3,20 @@
 
 A bare session count admits 64 one-token prompts and 64 max_context ones alike, though the
 second set holds orders of magnitude more KV memory in Triton. So every admitted session
-reserves the KV bytes it can grow to, computed exactly as the target allocates them
+reserves the KV slot the target holds for it, computed exactly as the target allocates it
 (``cloud.kv_growth``): a slot starts at 64 positions and doubles, each position holding keys and
-values of every layer. A session needs at most prompt + max_new_tokens committed positions
-(capped at max_context) plus one verification block in flight. The budget is the sum the
-target may hold; a Start that would exceed it is refused with RESOURCE_EXHAUSTED and a retry
-hint, and its reservation is released exactly once, however the session ends.
+values of every layer. A session at committed length c holds at most c + one verification block
+positions, so it reserves that slot's size class: at its Start for its prompt, and again before
+each step, growing (never shrinking) when c crosses into the next class. What a session could
+grow to (max_new_tokens, "as many as fit" for an OpenAI request without max_tokens) costs
+nothing until it is generated. Bytes are counted at the target's own bytes per position (its
+KV dtype, reported with every session's start; the serve flags' guess until then).
+
+The budget is the sum the target may hold. A Start or a growth that would exceed it is refused
+with RESOURCE_EXHAUSTED and a retry hint (after trying the reclaim policy below); a refused
+growth ends its stream, and the edge re-opens from its committed sequence when the hint says
+(nothing the edge holds is lost). A slot larger than the whole budget is refused without a
+hint: waiting cannot help. A reservation is released exactly once, however the session ends.
 
 The cap counts every open stream, admitted or still waiting for its Start. A quota caps the
 streams one client holds at once: one bearer token when the port requires
@@ -28,51 +36,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from specsplit.cloud.kv_growth import MAX_BLOCK, slot_positions
+from specsplit.cloud.kv_growth import (  # noqa: F401 (KVShape re-exported: its users' import)
+    MAX_BLOCK,
+    KVShape,
+    slot_positions,
+)
 from specsplit.shared.protocol import RETRY_AFTER_KEY, RETRY_PUSHBACK_KEY
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECLAIM_AFTER_S = 5.0  # default grace: a working edge is silent for one draft + one round trip
 RECLAIM_WAIT_S = 2.0  # how long a reclaimed ticket's place and KV are awaited, at most
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What one position of a session's KV slot costs: layers x 2 (K, V) x kv heads x head dim."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, dtype: str = "auto") -> KVShape:
-        """From a Hugging Face config.json. ``auto`` counts float32 (the target's choice on CPU;
-        on GPU it picks bfloat16, so the reservation is then twice what is held: conservative)."""
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        text = config.get("text_config", config)  # multimodal configs nest the LM's
-        heads = int(text["num_attention_heads"])
-        head_dim = text.get("head_dim") or int(text["hidden_size"]) // heads
-        return cls(
-            layers=int(text["num_hidden_layers"]),
-            kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            dtype_bytes=DTYPE_BYTES.get(dtype, 4),
-        )
 
 
 class Refused(Exception):
@@ -111,7 +91,8 @@ class Ticket:
 
     admission: Admission
     client: str | None
-    kv_bytes: int = 0
+    positions: int = 0  # the KV slot reserved: the size class the target holds for it
+    admitted: bool = False  # its Start was admitted (it is in Admission.live until freed)
     opened: float = field(default_factory=time.monotonic)
     active: float = field(default_factory=time.monotonic)
     busy: int = 0
@@ -123,6 +104,10 @@ class Ticket:
     @property
     def reclaimed(self) -> bool:
         return self.reclaimed_at is not None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.positions * self.admission.bytes_per_token
 
     def touch(self) -> None:
         """A message arrived on the stream."""
@@ -140,9 +125,11 @@ class Ticket:
             self.busy -= 1
             self.active = time.monotonic()
 
-    def reserve(self, tokens: int) -> None:
-        """Reserves the KV memory of a session that can grow to ``tokens`` positions."""
-        self.admission._reserve(self, tokens)
+    def reserve(self, committed_len: int) -> None:
+        """Reserves the KV slot of a session at ``committed_len`` with a verification block in
+        flight (at its Start, then before each step): a no-op until c crosses into the next
+        size class. Raises Refused (the session keeps what it had), or Reclaiming."""
+        self.admission._reserve(self, committed_len)
 
     def leave(self) -> None:
         """The stream ended: its quota place is free."""
@@ -176,10 +163,13 @@ class Admission:
         if per_client is not None and per_client < 1:
             raise ValueError("sessions per token must be >= 1")
         self.kv, self.budget_bytes, self.per_client = kv, budget_bytes, per_client
+        # What a KV position costs: the flags' guess, then what the targets report (observe_kv)
+        self.bytes_per_token = kv.bytes_per_token if kv is not None else 0
+        self._reported: dict[str, int] = {}
         self.max_block = max_block  # a verification block in flight also takes positions
         self.max_sessions = max_sessions  # streams at once, admitted or waiting for their Start
         self.reclaim_after_s = reclaim_after_s
-        self.reserved_bytes = 0
+        self.reserved_positions = 0  # the admitted sessions' slots, together
         self.tickets: dict[Ticket, None] = {}  # streams entered and not left, oldest first
         self.streams: Counter[str] = Counter()  # per client: its open streams
         self.live: list[Ticket] = []  # admitted sessions, oldest first
@@ -191,10 +181,29 @@ class Admission:
         """Streams entered and not left."""
         return len(self.tickets)
 
-    def kv_bytes(self, tokens: int) -> int:
+    @property
+    def reserved_bytes(self) -> int:
+        return self.reserved_positions * self.bytes_per_token
+
+    def slot_for(self, committed_len: int) -> int:
+        """Positions of the slot the target holds for a session at ``committed_len`` once a
+        verification block (at most ``max_block`` drafts after the last committed token) is in."""
         if self.kv is None:
             return 0
-        return slot_positions(tokens + self.max_block) * self.kv.bytes_per_token
+        return slot_positions(committed_len + self.max_block)
+
+    def observe_kv(self, source: str, bytes_per_token: int | None) -> None:
+        """A target's own bytes per KV position (its real dtype), as ``source`` (a replica)
+        reported it with a session's start; None: it did not say. The largest current report
+        counts: replicas may differ (calibration on another CPU), and one that restarts in
+        another dtype reports again with its next start."""
+        if not bytes_per_token or self.kv is None or self._reported.get(source) == bytes_per_token:
+            return
+        self._reported[source] = bytes_per_token
+        counted = max(self._reported.values())
+        if counted != self.bytes_per_token:
+            log.info("KV counted at %d bytes a position, as the target reports", counted)
+            self.bytes_per_token = counted
 
     def enter(self, client: str | None) -> Ticket:
         """A new stream from ``client`` (a digest or an address; None: no quota applies).
@@ -219,31 +228,50 @@ class Admission:
         self.tickets[ticket] = None
         return ticket
 
-    def _reserve(self, ticket: Ticket, tokens: int) -> None:
-        need = self.kv_bytes(tokens)
-        if self.budget_bytes is not None and self.reserved_bytes + need > self.budget_bytes:
-            self._make_room(
-                ticket, places=False, short=self.reserved_bytes + need - self.budget_bytes
-            )
-            wait_ms = self.retry_after_ms()
-            free = max(self.budget_bytes - self.reserved_bytes, 0)
+    def _reserve(self, ticket: Ticket, committed_len: int) -> None:
+        slot = self.slot_for(committed_len)
+        grow = slot - ticket.positions
+        if grow > 0 and self.budget_bytes is not None:
+            self._check_budget(ticket, committed_len, slot, grow)
+        if grow > 0:
+            ticket.positions = slot
+            self.reserved_positions += grow
+        if not ticket.admitted:
+            ticket.admitted = True
+            ticket.opened = time.monotonic()
+            self.live.append(ticket)
+
+    def _check_budget(self, ticket: Ticket, committed_len: int, slot: int, grow: int) -> None:
+        """Raises Refused (Reclaiming while idle streams make room) unless ``grow`` more
+        positions fit the budget."""
+        bpt, mib = self.bytes_per_token, 2**20
+        need = slot * bpt
+        what = "this session" if not ticket.admitted else "the session's next KV slot"
+        if need > self.budget_bytes:  # no hint: waiting cannot help
             raise Refused(
-                f"KV memory budget full: this session needs {need / 2**20:.1f} MiB "
-                f"({tokens} tokens), {free / 2**20:.1f} of {self.budget_bytes / 2**20:.1f} MiB "
-                f"free; retry in {wait_ms} ms, with a shorter max_new_tokens, or on another "
-                "replica",
-                retry_after_ms=wait_ms,
+                f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens and a "
+                f"block of {self.max_block}), more than the whole KV budget of "
+                f"{self.budget_bytes / mib:.1f} MiB; use a shorter prompt or another server"
             )
-        ticket.kv_bytes = need
-        ticket.opened = time.monotonic()
-        self.reserved_bytes += need
-        self.live.append(ticket)
+        short = self.reserved_bytes + grow * bpt - self.budget_bytes
+        if short <= 0:
+            return
+        self._make_room(ticket, places=False, short=short)
+        wait_ms = self.retry_after_ms()
+        free = max(self.budget_bytes - self.reserved_bytes, 0)
+        then = "" if not ticket.admitted else ", with the committed sequence as the prompt"
+        raise Refused(
+            f"KV memory budget full: {what} needs {need / mib:.1f} MiB ({committed_len} "
+            f"tokens), {(free + ticket.kv_bytes) / mib:.1f} of {self.budget_bytes / mib:.1f} "
+            f"MiB free for it; retry in {wait_ms} ms{then}, or on another replica",
+            retry_after_ms=wait_ms,
+        )
 
     def _free(self, ticket: Ticket) -> None:
         if ticket not in self.live:  # never admitted, or freed already (tickets: by identity)
             return
-        self.reserved_bytes -= ticket.kv_bytes
-        ticket.kv_bytes = 0
+        self.reserved_positions -= ticket.positions
+        ticket.positions = 0
         self.live.remove(ticket)
         lasted = time.monotonic() - ticket.opened
         self.mean_session_s = 0.9 * self.mean_session_s + 0.1 * lasted
@@ -353,20 +381,3 @@ def client_key(token: bytes | None, peer: str | None, by_token: bool) -> str | N
     address = peer.rsplit(":", 1)[0]
     # Loopback: this host's own clients, or a local proxy whose clients all share its address.
     return None if address.startswith(LOOPBACK) else address
-
-
-def default_budget_bytes(fraction: float = 0.5) -> int:
-    """Half of this host's available memory: the target's KV on CPU lives in host memory next
-    to its weights, which are loaded before the gateway starts."""
-    pages = _meminfo_kib("MemAvailable")
-    return int(pages * 1024 * fraction) if pages else 8 << 30
-
-
-def _meminfo_kib(key: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0

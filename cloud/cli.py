@@ -12,13 +12,9 @@ import signal
 import sys
 from pathlib import Path
 
-from specsplit.cloud.admission import (
-    RECLAIM_AFTER_S,
-    Admission,
-    KVShape,
-    default_budget_bytes,
-)
+from specsplit.cloud.admission import RECLAIM_AFTER_S, Admission
 from specsplit.cloud.gateway import ModelIdentity, start_gateway
+from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
 from specsplit.cloud.limits import GatewayLimits
 from specsplit.cloud.metrics import serve_metrics
 from specsplit.cloud.replicas import parse_urls
@@ -86,14 +82,20 @@ def _start_metrics(args: argparse.Namespace, registry):
 
 
 def _admission(args: argparse.Namespace, target: Path) -> Admission:
-    kv = KVShape.from_dir(target, args.dtype)
+    # Until a target reports its own (Admission.observe_kv): the quantised kernels keep float32
+    # KV, the float path its --dtype; auto counts float32, the largest the target may choose.
+    kv = KVShape.from_dir(target, "float32" if args.weights in ("int8", "int4") else args.dtype)
     if args.kv_budget_mib is None:
         budget = default_budget_bytes()
     elif args.kv_budget_mib > 0:
         budget = int(args.kv_budget_mib * 2**20)
     else:
         raise ValueError("--kv-budget-mib must be > 0")
-    log.info("KV budget %.0f MiB at %d bytes a token", budget / 2**20, kv.bytes_per_token)
+    log.info(
+        "KV budget %.0f MiB, counted at %d bytes a position until the target reports its own",
+        budget / 2**20,
+        kv.bytes_per_token,
+    )
     if args.reclaim_idle_after < 0:
         raise ValueError("--reclaim-idle-after must be >= 0")
     return Admission(
@@ -255,8 +257,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-budget-mib",
         type=float,
-        help="KV memory the target may hold for admitted sessions; each reserves what it can "
-        "grow to (default: half of this host's available memory)",
+        help="KV memory the target may hold for admitted sessions; each reserves the KV slot "
+        "it holds, growing as it generates (default: half of this host's available memory)",
     )
     s.add_argument(
         "--start-deadline",

@@ -97,6 +97,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.model = model
         self.limits = limits or GatewayLimits()
         self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
+        self.metrics.watch_admission(self.admission)
         self.steps = StepTime(STEPS_KEPT)  # recent target passes, as one-row steps
         self._closing: set[asyncio.Task] = set()
         self.health_task: asyncio.Task | None = None
@@ -133,13 +134,15 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     ticket.started = True
                     t_start = time.perf_counter()
                     session, mode = open_session(first, self.model)
-                    tokens = len(session.prompt) + session.max_new_tokens
-                    await _admitted(lambda: ticket.reserve(tokens))
+                    # The prompt's slot only: what it may grow to is reserved as it grows.
+                    await self._reserve(ticket, lease, session.committed_len)
                     await lease.start(
                         session.prompt, session.sampling, session.mode, session.seed, mode.drafts
                     )
+                    self.admission.observe_kv(lease.replica.url, lease.kv_bytes_per_token)
                     yield pb.ServerMessage(started=self._started(session, mode, t_start))
-                step = Round(session, lease, self.steps, ticket.working)
+                reserve = lambda n: self._reserve(ticket, lease, n)  # noqa: E731
+                step = Round(session, lease, self.steps, ticket.working, reserve)
                 async for verdict in self._rounds(mode, step, messages):
                     with ticket.working():
                         yield pb.ServerMessage(verdict=verdict)
@@ -167,6 +170,13 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if mode is SessionMode.CLOUD_LED:
             return cloud_led_rounds(step, messages)
         return lockstep_rounds(step, messages, self.limits.idle_timeout_s)
+
+    async def _reserve(self, ticket: Ticket, lease: Lease, committed_len: int) -> None:
+        """The KV slot of a session at ``committed_len``, reserved before Triton may grow it;
+        waits while reclaimed idle sessions make room, else raises Refused."""
+        # A session re-opened on another replica counts at what that replica reported.
+        self.admission.observe_kv(lease.replica.url, lease.kv_bytes_per_token)
+        await _admitted(lambda: ticket.reserve(committed_len))
 
     def _client(self, context) -> str | None:
         token = bearer_token(context.invocation_metadata()) if self.quota_by_token else None

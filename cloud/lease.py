@@ -58,6 +58,12 @@ class Lease:
     def client(self) -> aioclient.InferenceServerClient:
         return self.replica.client
 
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """What one KV position costs in the replica holding the session, as its target
+        reported at the last (re-)open; None when it did not say (an older model, a fake)."""
+        return getattr(self.triton, "kv_bytes_per_token", None)
+
     async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
         self._params = (sampling, mode, seed, speculative)
         try:

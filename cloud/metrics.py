@@ -215,6 +215,16 @@ class GatewayMetrics:
             self.batch_rows.observe(t.batch_rows)
             self.batch_sessions.observe(t.batch_sessions)
 
+    def watch_admission(self, admission) -> None:
+        """KV memory as ``cloud.admission`` counts it, read at scrape time."""
+        for name, attr, doc in (
+            ("kv_budget_bytes", "budget_bytes", "KV memory sessions may hold (0: no budget)"),
+            ("kv_reserved_bytes", "reserved_bytes", "KV memory admitted sessions reserve"),
+            ("kv_bytes_per_token", "bytes_per_token", "what one KV position counts (the target's)"),
+        ):
+            gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
+            gauge.set_function(lambda attr=attr: float(getattr(admission, attr) or 0))
+
     def refused(self, method: str) -> None:
         """A call refused before any handler ran (a missing or wrong bearer token)."""
         if method.endswith("/Generate"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.lease import Lease
@@ -19,10 +19,16 @@ from specsplit.shared.protocol import pb, sparse_from_pb
 from specsplit.shared.sampling import SparseDist
 
 
+async def _unbudgeted(committed_len: int) -> None:
+    pass
+
+
 class Round:
     """The steps of one session: ``session`` (its committed prefix and stops), the ``lease`` on
-    its Triton sequence, the gateway's ``steps`` (recent pass times, for Started.step_ms), and
-    ``working``: marks a step in flight (cloud.admission: such a session is never reclaimed)."""
+    its Triton sequence, the gateway's ``steps`` (recent pass times, for Started.step_ms),
+    ``working``: marks a step in flight (cloud.admission: such a session is never reclaimed),
+    and ``reserve``: reserves the KV slot a step at a committed length needs before the step
+    may grow it (cloud.admission; raises Refused when the memory is not there)."""
 
     def __init__(
         self,
@@ -30,9 +36,10 @@ class Round:
         lease: Lease,
         steps: StepTime,
         working: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        reserve: Callable[[int], Awaitable[None]] = _unbudgeted,
     ):
         self.session, self.lease, self.steps = session, lease, steps
-        self.working = working
+        self.working, self.reserve = working, reserve
 
     def check(self, draft: pb.Draft, exact_base: bool = True) -> list[SparseDist] | None:
         """Validates a Draft against the session (``GatewaySession.check_draft``) and returns
@@ -76,6 +83,7 @@ class Round:
         tokens = [session.committed[-1], *drafts]
         # A lost session or a failed replica re-opens from the committed prefix in there.
         with self.working():
+            await self.reserve(session.committed_len)
             reply = await self.lease.verify(session.committed, tokens, q or None)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
         self.steps.observe(len(tokens), reply.batch_rows, reply.verify_ms)

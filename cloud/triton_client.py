@@ -102,6 +102,7 @@ class TritonSequence:
         self._responses = None
         self._open = False
         self.speculative = True
+        self.kv_bytes_per_token: int | None = None  # the target's, from its START reply
 
     async def _requests(self):
         while (item := await self._queue.get()) is not None:
@@ -110,11 +111,14 @@ class TritonSequence:
     async def _call(self, inputs: list, start: bool = False, end: bool = False):
         if self._responses is None:
             self._responses = self.client.stream_infer(self._requests())
+        # A START asks for every output the model has: KV_BYTES where the model reports it, and
+        # no error from a model repository older than that output.
+        outputs = None if start else [grpcclient.InferRequestedOutput(n) for n in _OUTPUTS]
         self._queue.put_nowait(
             {
                 "model_name": MODEL_NAME,
                 "inputs": inputs,
-                "outputs": [grpcclient.InferRequestedOutput(n) for n in _OUTPUTS],
+                "outputs": outputs,
                 "sequence_id": self.sequence_id,
                 "sequence_start": start,
                 "sequence_end": end,
@@ -147,8 +151,10 @@ class TritonSequence:
             _tensor("SPECULATIVE", np.array([[int(speculative)]], np.int32), "INT32"),
         ]
         self.speculative = speculative
-        await self._call(inputs, start=True)
+        result = await self._call(inputs, start=True)
         self._open = True
+        kv = result.as_numpy("KV_BYTES")
+        self.kv_bytes_per_token = int(kv.reshape(-1)[0]) if kv is not None else None
 
     async def verify(
         self, base_len: int, tokens: Sequence[int], q: Sequence[SparseDist] | None = None

@@ -138,9 +138,10 @@ async def connected(**gateway_kw):
         yield pb_grpc.SpeculativeDecodingStub(channel)
 
 
-def _start(max_new_tokens: int) -> pb.ClientMessage:
+def _start(max_new_tokens: int, prompt_len: int = 3) -> pb.ClientMessage:
     sampling = pb.SamplingParams(max_new_tokens=max_new_tokens)
-    start = pb.Start(protocol_version=PROTOCOL_VERSION, prompt_ids=[1, 2, 3], sampling=sampling)
+    prompt = [1 + i % 3 for i in range(prompt_len)]
+    start = pb.Start(protocol_version=PROTOCOL_VERSION, prompt_ids=prompt, sampling=sampling)
     return pb.ClientMessage(start=start)
 
 
@@ -161,8 +162,8 @@ def test_gateway_refuses_over_budget_and_releases_every_reservation():
 
     async def run():
         async with connected(admission=admission) as stub:
-            held = stub.Generate(timeout=20)  # 3 + 200 tokens: 256 positions, the budget
-            await held.write(_start(200))
+            held = stub.Generate(timeout=20)  # a prompt of 200 (+ 16): 256 positions, the budget
+            await held.write(_start(8, prompt_len=200))
             assert (await held.read()).WhichOneof("msg") == "started"
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async for _ in stub.Generate(iter([_start(8)]), timeout=20):

@@ -59,7 +59,9 @@ def _array(request, name: str):
     return None if t is None else t.as_numpy()
 
 
-def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int, info):
+def _response(
+    accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int, info, kv: int = 0
+):
     def out(name, value, dtype):
         return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))
 
@@ -73,6 +75,7 @@ def _response(accepted: int, token: int, verify_ms: float, cache_len: int, sessi
             out("BATCH_ROWS", info.rows, np.int32),
             out("BATCH_SESSIONS", info.sessions, np.int32),
             out("BLOCK_HINT", info.block_hint, np.int32),
+            out("KV_BYTES", kv, np.int64),
         ]
     )
 
@@ -174,7 +177,9 @@ class TritonPythonModel:
                 _send(sender, _error(outcome))
             elif isinstance(request, Open):
                 cache_len = len(request.prompt) - 1
-                _send(sender, _response(0, -1, info.ms, cache_len, sessions, info))
+                # The gateway's admission counts KV bytes at this figure: the slots' real dtype.
+                kv = self.target.forward.slots.bytes_per_token
+                _send(sender, _response(0, -1, info.ms, cache_len, sessions, info, kv))
             elif isinstance(request, Close):
                 _send(sender, _response(0, -1, 0.0, 0, sessions, info or PassInfo()))
             else:
