@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
-from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, ensure_draft_onnx
+from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
@@ -167,7 +167,7 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=("fp32", "int8"),
+        choices=PRECISIONS,
         default=DEFAULT_PRECISION,
         help="precision when the draft has to be exported",
     )
@@ -281,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="Hugging Face causal LM -> ONNX draft with a KV cache")
     e.add_argument("--model", required=True, help="Hugging Face model directory")
     e.add_argument("--out", required=True, help="output directory")
-    e.add_argument("--precision", choices=("fp32", "int8"), default="fp32")
+    e.add_argument("--precision", choices=PRECISIONS, default="fp32")
     return parser
 
 

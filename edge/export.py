@@ -9,8 +9,10 @@ sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` con
 - copies of the tokenizer / generation / model config files present in ``model_dir``.
 
 The output is built in a temporary sibling directory and renamed into place, so a failed export
-never leaves a half-written ``out_dir``. Precisions: ``fp32``, and ``int8`` (block-wise
-int8 weights in MatMulNBits for every Linear, a per-row int8 embedding; see ``edge.onnx_graph``).
+never leaves a half-written ``out_dir``. Precisions: ``fp32``; ``int8`` (block-wise int8
+weights in MatMulNBits for every Linear, a per-row int8 embedding) and ``int4`` (4-bit
+MatMulNBits, asymmetric blocks of 32, for every Linear but the LM head, which stays int8); see
+``edge.onnx_graph``.
 Reading weights needs numpy only; torch is not imported here.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specsplit.edge.models import PRECISIONS
 from specsplit.edge.onnx_graph import GRAPH_FORMAT, OPSET, Qwen2Spec, build_model
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,6 @@ log = logging.getLogger(__name__)
 METADATA_FORMAT = 1
 METADATA_FILE = "specsplit_draft.json"
 ONNX_FILE = "model.onnx"
-PRECISIONS = ("fp32", "int8")
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -23,6 +23,7 @@ from specsplit.shared.steps import cache_dir, require_extra, spinner
 
 METADATA = "specsplit_draft.json"
 DEFAULT_DRAFT = DRAFT_DEFAULT.name
+PRECISIONS = ("fp32", "int8", "int4")  # edge.export's weight formats (edge.onnx_graph)
 # int8 (MatMulNBits, as make demo uses): 26.5 ms/token against fp32's 72.7 on one core here, and
 # fp32's top token at 98.4-100% of teacher-forced positions (measured when the export landed).
 DEFAULT_PRECISION = "int8"

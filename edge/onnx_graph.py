@@ -27,7 +27,10 @@ com.microsoft MatMulNBits (8-bit weights, symmetric, one scale per ``INT8_BLOCK`
 accuracy_level 4 lets ORT quantise activations per block too and use int8 dot products), the
 embedding a per-row int8 table. Norms, biases, rotary and attention stay fp32. Measured on
 Qwen2.5-Coder-0.5B this is ~10x closer to fp32 logits than onnxruntime's quantize_dynamic
-(per-tensor activation scales), at about the same speed.
+(per-tensor activation scales), at about the same speed. Precision "int4" makes every Linear
+but the LM head 4-bit MatMulNBits (asymmetric blocks of 32 with integer zero points: float zero
+points, which could hold a Q4_K group exactly, send ORT to a ~50x slower kernel); the LM head
+stays int8, its logits being what the draft is judged by.
 """
 
 from __future__ import annotations
@@ -122,10 +125,11 @@ class _ExternalData:
 class _Graph:
     """Accumulates nodes and initializers; every helper returns its output name."""
 
-    def __init__(self, data: _ExternalData, int8: bool) -> None:
+    def __init__(self, data: _ExternalData, precision: str) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
-        self.int8 = int8
+        self.precision = precision
+        self.int8 = precision != "fp32"  # int8 embedding table and LM head for int4 too
         self._data = data
         self._count = 0
 
@@ -145,16 +149,26 @@ class _Graph:
     def ints(self, name: str, values: int | list[int]) -> str:
         return self.const(name, np.asarray(values, dtype=np.int64))
 
-    def linear(self, x: str, weight: np.ndarray, name: str, out: str | None = None) -> str:
-        """x @ weight.T for an HF Linear weight [out, in]: fp32 MatMul, or int8 MatMulNBits."""
+    def linear(
+        self, x: str, weight: np.ndarray, name: str, out: str | None = None, bits: int = 0
+    ) -> str:
+        """x @ weight.T for an HF Linear weight [out, in]: fp32 MatMul, or MatMulNBits in
+        ``bits`` (default: the graph's precision)."""
         if not self.int8:
             return self.op("MatMul", [x, self.const(f"{name}.weight_t", weight.T)], out=out)
         n, k = weight.shape
-        blocks, scales = quantize_blocks(weight, INT8_BLOCK)  # [n, k/block, block], [n, k/block]
-        inputs = [x, self.const(f"{name}.weight_q8", blocks), self.const(f"{name}.scale", scales)]
+        bits = bits or (4 if self.precision == "int4" else 8)
+        if bits == 8:
+            blocks, scales = quantize_blocks(weight, INT8_BLOCK)  # [n, k/b, b], [n * k/b]
+            zero = []
+        else:
+            blocks, scales, zeros = quantize_blocks_4bit(weight, INT8_BLOCK)
+            zero = [self.const(f"{name}.zero_q4", zeros)]
+        inputs = [x, self.const(f"{name}.weight_q{bits}", blocks)]
+        inputs += [self.const(f"{name}.scale", scales), *zero]
         return self.op(
             "MatMulNBits", inputs, out=out, domain="com.microsoft",
-            K=k, N=n, bits=8, block_size=INT8_BLOCK, accuracy_level=4,
+            K=k, N=n, bits=bits, block_size=INT8_BLOCK, accuracy_level=4,
         )  # fmt: skip
 
     def rms_norm(self, x: str, weight: np.ndarray, name: str, eps: float) -> str:
@@ -187,6 +201,48 @@ def quantize_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndar
     scale[scale == 0] = 1.0
     q = np.clip(np.rint(padded / scale[..., None]), -127, 127) + 128
     return q.astype(np.uint8), scale.astype(np.float32).reshape(-1)
+
+
+def quantize_blocks_4bit(
+    weight: np.ndarray, block: int, tries: int = 9
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' 4-bit layout, asymmetric: w ~ scale * (q - zero), q and zero in 0..15.
+
+    weight [n, k] -> (uint8 [n, k/block, block/2]: element 2j low nibble, 2j+1 high;
+    float32 scales [n * k/block]; uint8 zero points [n, ceil(k/block / 2)], packed the same).
+    Integer zero points keep ORT on its int8-compute kernels (float ones fall back to a path
+    ~50x slower). Each block's scale is the least-squares best of ``tries`` around min-max.
+    """
+    n, k = weight.shape
+    if k % block:
+        raise ValueError(f"4-bit weights need an input width divisible by {block}, not {k}")
+    w = weight.reshape(n, k // block, block).astype(np.float32)
+    lo, hi = w.min(axis=-1), w.max(axis=-1)
+    span = np.maximum(hi - lo, 1e-12)
+    best = (np.full(lo.shape, np.inf, np.float32), None, None, None)
+    for factor in np.linspace(0.8, 1.0, tries):  # a narrower grid clips the extremes a little
+        scale = span * factor / 15
+        zero = np.clip(np.rint(-lo / scale), 0, 15)
+        q = np.clip(np.rint(w / scale[..., None] + zero[..., None]), 0, 15)
+        err = ((scale[..., None] * (q - zero[..., None]) - w) ** 2).sum(axis=-1)
+        better = err < best[0]
+        if best[1] is None:
+            best = (err, q, scale, zero)
+        else:
+            best = (
+                np.where(better, err, best[0]),
+                np.where(better[..., None], q, best[1]),
+                np.where(better, scale, best[2]),
+                np.where(better, zero, best[3]),
+            )
+    _, q, scale, zero = best
+    q = q.astype(np.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [n, blocks, block/2]
+    z = zero.astype(np.uint8)
+    if z.shape[1] % 2:
+        z = np.concatenate([z, np.zeros((n, 1), np.uint8)], axis=1)
+    zeros = z[:, 0::2] | (z[:, 1::2] << 4)  # [n, ceil(blocks / 2)]
+    return packed, scale.astype(np.float32).reshape(-1), zeros
 
 
 def _attention(g: _Graph, spec: Qwen2Spec, weights: Weights, i: int, h: str, ctx: dict) -> str:
@@ -271,7 +327,7 @@ def _lm_head(g: _Graph, spec: Qwen2Spec, weights: Weights, embed: np.ndarray, x:
     # Tied weights are written twice on purpose: sharing one initializer between the Gather and
     # the MatMul made ORT keep both it and the MatMul's prepacked copy (+544 MB RSS at 0.5B).
     head = embed if spec.tied_embeddings else weights("lm_head.weight")  # [vocab, hidden]
-    g.linear(x, head, "lm_head", out="logits")
+    g.linear(x, head, "lm_head", out="logits", bits=8)  # logits decide acceptance: 8 bits
 
 
 def _int8_lookup(g: _Graph, embed: np.ndarray) -> str:
@@ -312,12 +368,13 @@ def build_model(
 
     precision "fp32": every weight fp32. "int8": Linear weights as block-wise int8 MatMulNBits
     (accuracy_level 4: int8 compute), embedding per-row int8; norms, biases, attention fp32.
+    "int4": as int8 but the Linears before the LM head in 4-bit blocks.
     ``on_layer(done, total)`` is called after each decoder layer (export progress).
     """
-    assert precision in ("fp32", "int8"), precision
+    assert precision in ("fp32", "int8", "int4"), precision
     data = _ExternalData(out_path.with_name(out_path.name + ".data"))
     try:
-        g = _Graph(data, int8=precision == "int8")
+        g = _Graph(data, precision)
         ctx = _shared_inputs(g, spec)
         embed = weights("model.embed_tokens.weight")  # [vocab, hidden]
         x = _embedding(g, embed)  # [1, seq, hidden]

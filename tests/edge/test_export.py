@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,11 +127,78 @@ def test_int8_mostly_agrees_with_fp32(draft_exports, kind):
     assert len(drafter_greedy(int8, PROMPT, 8)) == 8
 
 
-def test_int8_is_smaller(draft_exports):
+def on_4bit_grids(src: Path, dst: Path) -> Path:
+    """A copy of a tiny checkpoint whose projections sit on the 4-bit grids the int4 export
+    uses (quantised and dequantised once): its int4 export then carries these very weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specsplit.edge.onnx_graph import INT8_BLOCK, quantize_blocks_4bit
+
+    shutil.copytree(src, dst)
+    (path,) = dst.glob("*.safetensors")
+    state = load_file(path)
+    for name, w in state.items():
+        if name.endswith("proj.weight"):
+            packed, scales, zeros = quantize_blocks_4bit(w.float().numpy(), INT8_BLOCK)
+            n, blocks = packed.shape[:2]
+            q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1)
+            z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+            back = scales.reshape(n, blocks, 1) * (q.astype(np.float32) - z[..., None])
+            state[name] = torch.from_numpy(back.reshape(w.shape).astype(np.float32))
+    save_file(state, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_int4_graph_computes_its_weights(qwen_dirs, tmp_path):
+    """The int4 graph (MatMulNBits 4-bit, packed levels and zero points) computes the model its
+    weights stand for: on a checkpoint already on its grids, int4 logits follow fp32's, the
+    only difference being int8 activations inside MatMulNBits and the int8 LM head."""
+    grid = on_4bit_grids(qwen_dirs["tied"], tmp_path / "grid")
+    fp32 = OnnxDrafter(export_onnx(grid, tmp_path / "fp32", precision="fp32"), providers=CPU)
+    int4 = OnnxDrafter(export_onnx(grid, tmp_path / "int4", precision="int4"), providers=CPU)
+    assert int4.precision == "int4"
+    ids = PROMPT + drafter_greedy(fp32, PROMPT, 24)
+    fp32.reset()
+    ref, got = fp32.forward(ids), int4.forward(ids)
+    err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() < 0.1, err  # a wrong nibble or zero point errs by ~100%
+    assert len(drafter_greedy(int4, PROMPT, 8)) == 8
+
+
+def test_int4_blocks_reproduce_a_4bit_grid_exactly():
+    """Weights that sit on a 4-bit grid with an integer zero point (what the quantiser can
+    represent) come back exactly; others within half a step of their block's grid."""
+    from specsplit.edge.onnx_graph import quantize_blocks_4bit
+
+    rng = np.random.default_rng(3)
+    levels = rng.integers(0, 16, size=(8, 4, 32)).astype(np.float32)
+    levels[..., 0], levels[..., 1] = 0, 15  # every block spans its whole grid
+    zero = rng.integers(0, 16, size=(8, 4, 1)).astype(np.float32)
+    scale = rng.uniform(0.001, 0.01, size=(8, 4, 1)).astype(np.float32)
+    w = (scale * (levels - zero)).reshape(8, 128)
+    packed, scales, zeros = quantize_blocks_4bit(w, 32)
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(8, 4, 32).astype(np.float32)
+    z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(8, -1)[:, :4, None]
+    back = (scales.reshape(8, 4, 1) * (q - z)).reshape(8, 128)
+    np.testing.assert_allclose(back, w, rtol=0, atol=1e-6)
+    noisy = rng.standard_normal((8, 128)).astype(np.float32)
+    packed, scales, zeros = quantize_blocks_4bit(noisy, 32)
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(8, 4, 32).astype(np.float32)
+    z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(8, -1)[:, :4, None]
+    back = (scales.reshape(8, 4, 1) * (q - z)).reshape(8, 128)
+    assert (
+        np.abs(back - noisy).reshape(8, 4, 32) <= scales.reshape(8, 4, 1) * 0.5 + 1e-6
+    ).mean() > 0.97
+
+
+def test_quantised_exports_are_smaller(draft_exports):
     def size(d: Path) -> int:
         return sum(f.stat().st_size for f in d.iterdir())
 
-    assert size(draft_exports["untied", "int8"]) < 0.6 * size(draft_exports["untied", "fp32"])
+    fp32 = size(draft_exports["untied", "fp32"])
+    assert size(draft_exports["untied", "int8"]) < 0.6 * fp32
+    assert size(draft_exports["untied", "int4"]) < size(draft_exports["untied", "int8"])
 
 
 def test_graph_io_names_and_shapes(draft_exports):
@@ -172,7 +240,7 @@ def test_unsupported_model_type_and_precision_raise(tmp_path, qwen_dirs):
     with pytest.raises(ValueError, match="llama"):
         export_onnx(llama, tmp_path / "out")
     with pytest.raises(ValueError, match="precision"):
-        export_onnx(qwen_dirs["tied"], tmp_path / "out", precision="int4")
+        export_onnx(qwen_dirs["tied"], tmp_path / "out", precision="int3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]  # no output, no temp dirs
 
 
