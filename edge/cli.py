@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
+from specsplit.edge.openai_limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
@@ -126,6 +127,8 @@ def _serve(args) -> int:
         raise SystemExit(
             "specsplit-edge: --concurrency must be >= 1, --draft-tokens and --retry-window >= 0"
         )
+    if args.max_waiting < 0 or args.max_body_bytes < 1:
+        raise SystemExit("specsplit-edge: --max-waiting must be >= 0, --max-body-bytes >= 1")
     from specsplit.edge.openai_app import ServeConfig
     from specsplit.edge.serve import run_server
 
@@ -142,6 +145,8 @@ def _serve(args) -> int:
         threads=args.threads,
         client=dict(token=args.token, **tls),
         api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting,
     )
     return run_server(cfg, args.host, args.port, verbose=args.verbose)
 
@@ -154,7 +159,13 @@ def _pull(args) -> int:
 def _export(args) -> int:
     from specsplit.edge.export import export_onnx
 
-    out = export_onnx(Path(args.model), Path(args.out), precision=args.precision, progress=True)
+    out = export_onnx(
+        Path(args.model),
+        Path(args.out),
+        precision=args.precision,
+        progress=True,
+        head_vocab=args.head_vocab,
+    )
     print(out)
     return 0
 
@@ -199,6 +210,19 @@ def _add_serve_parser(sub) -> None:
         default=4,
         help="generations at once, each with its own drafter (loaded on first use); "
         "more requests wait (default 4)",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=MAX_WAITING,
+        help="requests that may wait for one of the --concurrency slots; one more at once is "
+        f"answered 429 with Retry-After (default {MAX_WAITING})",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"largest request body; larger ones are answered 413 (default {MAX_BODY_BYTES})",
     )
     s.add_argument(
         "--draft-tokens",
@@ -282,6 +306,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="Hugging Face model directory")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    e.add_argument(
+        "--head-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="an LM head over the N lowest token ids (+ EOS and added tokens) only: a faster "
+        "draft step that never proposes the others (default 0: the whole vocabulary)",
+    )
     return parser
 
 

@@ -82,6 +82,10 @@ class OnnxDrafter:
         self._input_names = [f"past_{kind}.{i}" for kind, i in layers]
         self._output_names = ["logits"] + [f"present_{kind}.{i}" for kind, i in layers]
         self._tokens: list[int] = []
+        # An LM head over part of the vocabulary (edge.export.head_rows): the others' logits
+        # are -inf, so the draft never proposes them (its q is 0 there, which keeps it exact).
+        ids = meta.get("lm_head_ids")
+        self._head_ids = None if ids is None else np.load(model_dir / ids)
         log.info("draft %s (%s) on %s", meta["source"]["name"], self.precision, self.provider)
 
     @property
@@ -107,7 +111,11 @@ class OnnxDrafter:
         logits, *present = self._session.run(self._output_names, feeds)
         self._kv = present  # [1, kv, past+seq, hd] each
         self._tokens.extend(int(t) for t in tokens)
-        return logits[0]  # [seq, vocab]
+        if self._head_ids is None:
+            return logits[0]  # [seq, vocab]
+        full = np.full((seq, self.vocab_size), -np.inf, dtype=np.float32)
+        full[:, self._head_ids] = logits[0]
+        return full
 
     def truncate(self, n: int) -> None:
         """Rolls the cache back to ``cached[:n]`` (bookkeeping only; the slice happens lazily)."""

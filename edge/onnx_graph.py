@@ -323,10 +323,12 @@ def _embedding(g: _Graph, embed: np.ndarray) -> str:
     return g.op("Gather", [g.const("embed_tokens.weight", embed), "input_ids"])
 
 
-def _lm_head(g: _Graph, spec: Qwen2Spec, weights: Weights, embed: np.ndarray, x: str) -> None:
+def _lm_head(g: _Graph, spec: Qwen2Spec, weights: Weights, embed: np.ndarray, x: str, rows) -> None:
     # Tied weights are written twice on purpose: sharing one initializer between the Gather and
     # the MatMul made ORT keep both it and the MatMul's prepacked copy (+544 MB RSS at 0.5B).
     head = embed if spec.tied_embeddings else weights("lm_head.weight")  # [vocab, hidden]
+    if rows is not None:  # a draft may propose from part of the vocabulary (export.head_rows)
+        head = head[rows]
     g.linear(x, head, "lm_head", out="logits", bits=8)  # logits decide acceptance: 8 bits
 
 
@@ -341,7 +343,7 @@ def _int8_lookup(g: _Graph, embed: np.ndarray) -> str:
     return g.op("Mul", [x, row_scale])  # [1, seq, hidden]
 
 
-def _io(spec: Qwen2Spec) -> tuple[list, list]:
+def _io(spec: Qwen2Spec, logits: int) -> tuple[list, list]:
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv = [1, spec.num_kv_heads, "past_len", spec.head_dim]
     kv_out = [1, spec.num_kv_heads, "total_len", spec.head_dim]
@@ -349,7 +351,7 @@ def _io(spec: Qwen2Spec) -> tuple[list, list]:
         helper.make_tensor_value_info("input_ids", i64, [1, "seq_len"]),
         helper.make_tensor_value_info("position_ids", i64, [1, "seq_len"]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", f, [1, "seq_len", spec.vocab_size])]
+    outputs = [helper.make_tensor_value_info("logits", f, [1, "seq_len", logits])]
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", f, kv))
@@ -363,6 +365,7 @@ def build_model(
     out_path: Path,
     precision: str = "fp32",
     on_layer: Callable[[int, int], None] | None = None,
+    head_rows: np.ndarray | None = None,
 ) -> None:
     """Writes ``out_path`` (graph) and ``out_path.data`` (external weights).
 
@@ -370,6 +373,8 @@ def build_model(
     (accuracy_level 4: int8 compute), embedding per-row int8; norms, biases, attention fp32.
     "int4": as int8 but the Linears before the LM head in 4-bit blocks.
     ``on_layer(done, total)`` is called after each decoder layer (export progress).
+    ``head_rows``: the token ids whose logits the graph computes, in its ``logits`` order
+    (None: the whole vocabulary).
     """
     assert precision in ("fp32", "int8", "int4"), precision
     data = _ExternalData(out_path.with_name(out_path.name + ".data"))
@@ -388,10 +393,10 @@ def build_model(
             if on_layer is not None:
                 on_layer(i + 1, spec.num_layers)
         x = g.rms_norm(x, weights("model.norm.weight"), "model.norm", eps)
-        _lm_head(g, spec, weights, embed, x)  # logits [1, seq, vocab]
+        _lm_head(g, spec, weights, embed, x, head_rows)  # logits [1, seq, vocab or rows]
     finally:
         data.close()
-    inputs, outputs = _io(spec)
+    inputs, outputs = _io(spec, spec.vocab_size if head_rows is None else len(head_rows))
     graph = helper.make_graph(g.nodes, "qwen2_draft", inputs, outputs, g.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)

@@ -265,3 +265,23 @@ def test_drafter_does_not_import_torch():
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_a_partial_lm_head_keeps_its_rows_exactly_and_never_proposes_the_others(
+    qwen_dirs, draft_exports, tmp_path
+):
+    """An LM head over the lowest ids (plus EOS and added tokens): the kept ids' logits are
+    the full head's, every other id is -inf, so the draft never proposes it (q = 0 there)."""
+    full = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    out = export_onnx(qwen_dirs["tied"], tmp_path / "part", precision="fp32", head_vocab=100)
+    part = OnnxDrafter(out, providers=CPU)
+    kept = np.load(out / "lm_head_ids.npy")
+    assert kept.tolist()[:100] == list(range(100)) and set(part.eos_token_ids) <= set(kept)
+    ref, got = full.forward(PROMPT), part.forward(PROMPT)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got[:, kept], ref[:, kept], rtol=0, atol=1e-5)
+    dropped = np.setdiff1d(np.arange(ref.shape[1]), kept)
+    assert np.isneginf(got[:, dropped]).all()
+    assert all(t in kept for t in drafter_greedy(part, PROMPT, 16))
+    with pytest.raises(ValueError, match="head_vocab"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "bad", head_vocab=-1)
