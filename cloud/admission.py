@@ -19,23 +19,23 @@ growth ends its stream, and the edge re-opens from its committed sequence when t
 hint: waiting cannot help. A reservation is released exactly once, however the session ends.
 
 The cap counts every open stream, admitted or still waiting for its Start. A quota caps the
-streams one client holds at once: one bearer token when the port requires
-tokens, else one peer address. The token itself is never stored or logged, only a digest.
+streams one client holds at once: one bearer token when the port requires tokens, else one
+peer address (``cloud.security.client_key``; only a digest of the token is kept).
 
 Idle sessions yield under pressure: a session owns nothing its edge cannot rebuild (DESIGN §2),
-so before a stream or a Start is refused for want of places or KV memory, streams idle for
-longer than ``reclaim_after_s`` are reclaimed: those that never sent a Start first, then
-sessions by least recent activity (a message received, a step or a send ended). A ticket with
-work in flight (its Start or a verification in Triton, a message being sent) is never
-reclaimed. A reclaimed ticket's ``end`` ends its stream (UNAVAILABLE: the edge re-opens from
-its committed sequence); its place and KV bytes come back through ``leave``/``free`` like any
-other end's, and the refused caller is told to wait (``Reclaiming``) until they do.
+so before a stream, a Start or a growth is refused for want of places or KV memory, streams
+idle for longer than ``reclaim_after_s`` are reclaimed: those that never sent a Start first,
+then sessions by least recent activity (a message received, a step or a send ended). A ticket
+with work in flight (its Start or a verification in Triton) is never reclaimed; a message the
+client has not read for that long is no work of ours (``sending``). A reclaimed ticket's
+``end`` ends its stream (UNAVAILABLE: the edge re-opens from its committed sequence); its place
+and KV bytes come back through ``leave``/``free`` like any other end's, and the refused caller
+is told to wait (``Reclaiming``) until they do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from collections import Counter
@@ -98,6 +98,9 @@ class Ticket:
     busy: int = 0
     started: bool = False
     end: Callable[[], None] | None = None
+    # The handler's: ends the stream with (code, details) from outside it (a stalled send).
+    end_stream: Callable[[object, str], None] | None = None
+    in_send: bool = False  # a message of ours is on its way (sending)
     reclaimed_at: float | None = None  # when the policy ended this stream
     _left: bool = False
 
@@ -114,8 +117,22 @@ class Ticket:
         self.active = time.monotonic()
 
     @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """A message being sent: activity once it is out, but no work of ours while it waits
+        (a client that does not read holds it in gRPC flow control), so a send stuck for
+        longer than the grace leaves the stream as idle as one waiting for the client's Draft."""
+        if self.reclaimed:
+            raise Reclaimed()
+        self.in_send = True
+        try:
+            yield
+        finally:
+            self.in_send = False
+            self.active = time.monotonic()
+
+    @contextlib.contextmanager
     def working(self) -> Iterator[None]:
-        """Work in flight (a Start, a verification, a send): not idle, whatever it waits on."""
+        """Work in flight (a Start, a verification): not idle, whatever it waits on."""
         if self.reclaimed:
             raise Reclaimed()
         self.busy += 1
@@ -365,19 +382,3 @@ class Admission:
         if not due:
             return floor_ms
         return int(min(max(min(due) * 1e3, floor_ms), ceiling_ms))
-
-
-LOOPBACK = ("ipv4:127.", "ipv6:[::1]", "ipv6:[::ffff:127.")
-
-
-def client_key(token: bytes | None, peer: str | None, by_token: bool) -> str | None:
-    """Whom a quota counts: a digest of the bearer token when the port requires tokens, else
-    the peer's address without its port (``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4``); None (no
-    quota) for a loopback or unix-socket peer."""
-    if by_token:
-        return None if token is None else "token:" + hashlib.sha256(token).hexdigest()[:16]
-    if not peer or not peer.startswith(("ipv4:", "ipv6:")):
-        return None
-    address = peer.rsplit(":", 1)[0]
-    # Loopback: this host's own clients, or a local proxy whose clients all share its address.
-    return None if address.startswith(LOOPBACK) else address

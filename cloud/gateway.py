@@ -10,10 +10,11 @@ precise message; one bad stream never affects another.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -27,7 +28,6 @@ from specsplit.cloud.admission import (
     Reclaiming,
     Refused,
     Ticket,
-    client_key,
 )
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.cloud_led import cloud_led_rounds
@@ -46,7 +46,7 @@ from specsplit.cloud.messages import (
 from specsplit.cloud.metrics import GatewayMetrics
 from specsplit.cloud.replicas import ReplicaSet, parse_urls
 from specsplit.cloud.round import Round
-from specsplit.cloud.security import Security, bearer_token
+from specsplit.cloud.security import Security, bearer_token, client_key
 from specsplit.cloud.session import Code, GatewaySession, ProtocolError
 from specsplit.cloud.start import open_session
 from specsplit.cloud.triton_client import (
@@ -99,7 +99,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
         self.metrics.watch_admission(self.admission)
         self.steps = StepTime(STEPS_KEPT)  # recent target passes, as one-row steps
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task] = set()  # Triton frees in flight: close() waits
+        self._ending: set[asyncio.Future] = set()  # statuses sent from outside a handler
         self.health_task: asyncio.Task | None = None
 
     @property
@@ -124,7 +125,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.trailing_metadata()
             )
         handler = asyncio.current_task()
-        ticket.end = handler.cancel  # the reclaim policy's: only ever while idle (cloud.admission)
+        ticket.end_stream = lambda code, details: self._end(ticket, handler, context, code, details)
+        # the reclaim policy's: only ever while idle (cloud.admission)
+        ticket.end = lambda: ticket.end_stream(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         lease = Lease(self.replicas, self.sequence_factory)
         messages, session = _Marked(requests.__aiter__(), ticket), None
         try:
@@ -140,23 +143,26 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                         session.prompt, session.sampling, session.mode, session.seed, mode.drafts
                     )
                     self.admission.observe_kv(lease.replica.url, lease.kv_bytes_per_token)
-                    yield pb.ServerMessage(started=self._started(session, mode, t_start))
+                started = self._started(session, mode, t_start)
+                with self._sending(ticket):
+                    yield pb.ServerMessage(started=started)
                 reserve = lambda n: self._reserve(ticket, lease, n)  # noqa: E731
                 step = Round(session, lease, self.steps, ticket.working, reserve)
                 async for verdict in self._rounds(mode, step, messages):
-                    with ticket.working():
+                    with self._sending(ticket):
                         yield pb.ServerMessage(verdict=verdict)
-                with ticket.working():
+                with self._sending(ticket):
                     yield pb.ServerMessage(finished=_finished(session))
         except (Refused, ProtocolError, SessionLost, TritonUnavailable, TritonRequestError) as e:
             await context.abort(*_status(e))
         except (asyncio.CancelledError, Reclaimed):
             if not ticket.reclaimed:
-                raise  # the client cancelled, or the server stops
+                raise  # the client cancelled, the server stops, or a send stalled (_end)
             if handler.cancelling():
                 handler.uncancel()
             session = None  # nothing more to read: the stream ends now
-            await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
+            if context.code() is None:  # else _end sent it, from outside a stuck send
+                await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         finally:
             ticket.end = None
             ticket.leave()
@@ -164,12 +170,39 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         reader = session.reader if session is not None else None  # cloud-led: still reading
         await until_half_close(requests, self.limits.half_close_grace_s, reader)
 
+    def _end(self, ticket: Ticket, handler: asyncio.Task, context, code, details: str) -> None:
+        """Ends a stream from outside its handler: the reclaim policy, a send that stalled."""
+        if ticket.in_send:
+            # Cancelled inside gRPC's send, the handler can no longer send a status: sent from
+            # here, it reaches the client behind the messages it has not read yet.
+            self._background(_abort(context, code, details))
+        handler.cancel()
+
+    def _background(self, coro) -> None:
+        # Not among the tasks close() waits for: a status behind unread messages may never go.
+        task = asyncio.ensure_future(coro)
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
     def _rounds(self, mode: SessionMode, step: Round, messages) -> AsyncIterator[pb.Verdict]:
         if mode is SessionMode.CLOUD_ONLY:
             return cloud_only_rounds(step, messages)
         if mode is SessionMode.CLOUD_LED:
             return cloud_led_rounds(step, messages)
         return lockstep_rounds(step, messages, self.limits.idle_timeout_s)
+
+    @contextlib.contextmanager
+    def _sending(self, ticket: Ticket) -> Iterator[None]:
+        """One message out. A client that reads nothing for ``idle_timeout_s`` (gRPC flow
+        control holds the send) has its stream ended, like one that writes nothing."""
+        idle_s = self.limits.idle_timeout_s
+        stalled = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the client read nothing for {idle_s:g} s")
+        timer = asyncio.get_running_loop().call_later(idle_s, ticket.end_stream, *stalled)
+        try:
+            with ticket.sending():
+                yield
+        finally:
+            timer.cancel()
 
     async def _reserve(self, ticket: Ticket, lease: Lease, committed_len: int) -> None:
         """The KV slot of a session at ``committed_len``, reserved before Triton may grow it;
@@ -245,6 +278,11 @@ async def _admitted(attempt: Callable[[], T]) -> T:
                     e.retry_after_ms,
                 ) from None
             await asyncio.sleep(RECLAIM_POLL_S)
+
+
+async def _abort(context, code: grpc.StatusCode, details: str) -> None:
+    with contextlib.suppress(Exception):  # AbortError once sent; a call that already ended
+        await context.abort(code, details)
 
 
 def _finished(session: GatewaySession) -> pb.Finished:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class GatewayLimits:
     start_timeout_s: float = 10.0  # from stream open to its Start
-    idle_timeout_s: float = 60.0  # between a Verdict and the client's next message (split mode)
+    # Between a Verdict and the client's next message (split mode), and for any message of ours
+    # the client does not read (gRPC flow control holds it): a client that stalls either way.
+    idle_timeout_s: float = 60.0
     max_message_bytes: int = 1 << 20  # a max_context prompt or a full Draft fits many times
     max_connection_idle_s: float = 300.0  # a connection without streams is closed after this
     max_connection_age_s: float = 3600.0  # then GOAWAY, so clients rebalance across replicas

@@ -247,14 +247,15 @@ class GatewayMetrics:
 def _code(context, error: BaseException | None) -> grpc.StatusCode | str | None:
     """How a stream ended: the status the handler set (``context.abort``); UNKNOWN for an
     exception that escaped it (grpc reports that); "client_cancelled" when the call was."""
-    if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return "client_cancelled"
     try:
         code, cancelled = context.code(), context.cancelled()
     except Exception:  # a test double without them
         code, cancelled = None, False
     if code is not None and not isinstance(code, grpc.StatusCode):
         code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        # A status we sent from outside the handler (a stalled send) is how the stream ended.
+        return code if code not in (None, grpc.StatusCode.OK) else "client_cancelled"
     if code is None and error is not None:
         return grpc.StatusCode.UNKNOWN
     # A cancelled call ends the request stream like a half-close: the handler may end normally.

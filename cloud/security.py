@@ -9,6 +9,7 @@ without credentials.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,3 +113,19 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+LOOPBACK = ("ipv4:127.", "ipv6:[::1]", "ipv6:[::ffff:127.")
+
+
+def client_key(token: bytes | None, peer: str | None, by_token: bool) -> str | None:
+    """Whom a quota counts: a digest of the bearer token when the port requires tokens, else
+    the peer's address without its port (``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4``); None (no
+    quota) for a loopback or unix-socket peer."""
+    if by_token:
+        return None if token is None else "token:" + hashlib.sha256(token).hexdigest()[:16]
+    if not peer or not peer.startswith(("ipv4:", "ipv6:")):
+        return None
+    address = peer.rsplit(":", 1)[0]
+    # Loopback: this host's own clients, or a local proxy whose clients all share its address.
+    return None if address.startswith(LOOPBACK) else address

@@ -19,11 +19,10 @@ from specsplit.cloud.admission import (
     Reclaimed,
     Reclaiming,
     Refused,
-    client_key,
     slot_positions,
 )
 from specsplit.cloud.kv_slots import KVSlots
-from specsplit.cloud.security import Security
+from specsplit.cloud.security import Security, client_key
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from specsplit.shared.tiny import make_tiny_qwen2
 from tests.fakes import gateway
