@@ -42,6 +42,15 @@ from specsplit.shared.sampling import SparseDist
 POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
 
 
+def reads_per_step(max_draft_tokens: int) -> int:
+    """Drafts read between two target steps, at most. An edge sends one message per drafted
+    token and may reach max_draft_tokens past committed_len (Draft.continues), plus a restart
+    after a Verdict: twice that leaves it room. More cannot be verified before the next step,
+    so they wait in the client under gRPC flow control instead of costing the gateway's loop a
+    decode and a check each, at whatever rate a client can send."""
+    return 2 * (max_draft_tokens + 1)
+
+
 @dataclass(eq=False)  # compared by identity: two Drafts with equal fields are two Drafts
 class PendingDraft:
     round: int
@@ -123,10 +132,17 @@ async def cloud_led_rounds(
         pool.add(first)
     refused: list[ProtocolError] = []
     stop = asyncio.Event()
+    budget = reads_per_step(session.limits.max_draft_tokens)
+    credit = [budget]  # Drafts the reader may still read before the next step
+    stepped = asyncio.Event()
 
     async def read() -> None:
         try:  # no idle timeout: the edge may stop drafting while the cloud streams on
             while (d := await next_draft(messages, None)) is not None:
+                credit[0] -= 1
+                if credit[0] <= 0:
+                    stepped.clear()
+                    await stepped.wait()
                 if isinstance(d, pb.Finish):
                     break
                 if session.finish is not Finish.NONE:
@@ -157,6 +173,8 @@ async def cloud_led_rounds(
             draft, tokens, q = pool.take(session.committed, limit)
             round_no = draft.round if draft is not None else 0  # a continuation may come in
             verdict = await step.verify(tokens, q, t0)
+            credit[0] = budget
+            stepped.set()
             verdict.round = round_no
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
@@ -168,7 +186,10 @@ async def cloud_led_rounds(
         raise
     else:
         # Never cancelled mid-read (that closes the request stream): it reads on, dropping
-        # late Drafts, until the client half-closes (cloud/messages.py until_half_close).
+        # late Drafts, until the client half-closes (cloud/messages.py until_half_close),
+        # with no step left to wait for.
+        credit[0] = 1 << 62
+        stepped.set()
         session.reader = reader
     finally:
         session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)
