@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.health import HealthProbe
+from specsplit.edge.openai_limits import MAX_BODY_BYTES, MAX_WAITING, RequestLimits
 from specsplit.edge.openai_pool import ClientPool, Run
 from specsplit.edge.openai_responses import Reply, finish_reason, speculation, sse, usage
 from specsplit.edge.openai_schema import (
@@ -68,6 +69,8 @@ class ServeConfig:
     threads: int | None = None  # ONNX Runtime intra-op threads per drafter
     client: dict = field(default_factory=dict)  # SplitClient's TLS and token keywords
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai_limits)
+    max_waiting: int = MAX_WAITING  # requests waiting for a slot; more at once: 429
 
 
 def api_error(e: Exception) -> APIError:
@@ -105,6 +108,8 @@ class Endpoint:
     def __init__(self, cfg: ServeConfig):
         if cfg.mode not in SERVE_MODES:
             raise ValueError(f"mode must be one of {SERVE_MODES}, got {cfg.mode!r}")
+        if cfg.max_body_bytes < 1 or cfg.max_waiting < 0:
+            raise ValueError("max_body_bytes must be >= 1 and max_waiting >= 0")
         self.cfg = cfg
         self.codec = TextCodec(cfg.draft_dir)
         make_drafter = None
@@ -268,6 +273,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="specsplit edge", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     _answer_errors_as_openai(app)
+    # Added before the API key check, so that one runs first (the last added is outermost).
+    limits = dict(max_body_bytes=cfg.max_body_bytes, max_requests=cfg.concurrency + cfg.max_waiting)
+    app.add_middleware(RequestLimits, **limits)
     if cfg.api_key:
         _require_api_key(app, cfg.api_key)
 
