@@ -19,7 +19,6 @@ from specsplit.cloud.admission import (
     KVShape,
     Reclaiming,
     Refused,
-    slot_positions,
 )
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
@@ -234,5 +233,22 @@ def test_without_a_retry_window_the_refused_growth_is_reported():
     assert len(gen.token_ids) == 46  # every committed token was delivered before the refusal
 
 
-def test_slot_positions_holds_the_block_margin():
-    assert slot_positions(48 + 16) == 64 and slot_positions(49 + 16) == 128
+def test_a_prompt_the_whole_budget_cannot_hold_is_refused_at_once():
+    """Near max_context (512 here), a prompt's slot may be larger than the whole budget: no hint,
+    so the edge reports it at once instead of retrying for its window."""
+    admission = Admission(KV, budget_bytes=256 * B)
+    cfg = GenerationConfig(max_new_tokens=8, retry_window_s=30.0, session_mode="lock-step")
+
+    async def run():
+        async with (
+            connected(admission=admission) as (address, _),
+            SplitClient(address, SlowDrafter(delay_s=0.0)) as client,
+        ):
+            gen = client.generate([1] * 500, cfg)
+            with pytest.raises(SpecsplitError) as e:
+                await asyncio.wait_for(gen.collect(), 5)
+            return gen, e.value
+
+    gen, error = asyncio.run(run())
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "whole KV budget" in error.details
+    assert gen.stats.retries == 0
