@@ -127,8 +127,10 @@ def _serve(args) -> int:
         raise SystemExit(
             "specsplit-edge: --concurrency must be >= 1, --draft-tokens and --retry-window >= 0"
         )
-    if args.max_waiting < 0 or args.max_body_bytes < 1:
-        raise SystemExit("specsplit-edge: --max-waiting must be >= 0, --max-body-bytes >= 1")
+    if args.max_waiting < 0 or args.max_body_bytes < 1 or not args.send_timeout > 0:
+        raise SystemExit(
+            "specsplit-edge: --max-waiting must be >= 0, --max-body-bytes >= 1, --send-timeout > 0"
+        )
     from specsplit.edge.openai_app import ServeConfig
     from specsplit.edge.serve import run_server
 
@@ -147,6 +149,7 @@ def _serve(args) -> int:
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
+        send_timeout_s=args.send_timeout,
     )
     return run_server(cfg, args.host, args.port, verbose=args.verbose)
 
@@ -223,6 +226,13 @@ def _add_serve_parser(sub) -> None:
         type=int,
         default=MAX_BODY_BYTES,
         help=f"largest request body; larger ones are answered 413 (default {MAX_BODY_BYTES})",
+    )
+    s.add_argument(
+        "--send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streamed response may wait for its client to read before it is ended "
+        "and its slot freed (default 60)",
     )
     s.add_argument(
         "--draft-tokens",

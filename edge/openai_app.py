@@ -14,6 +14,7 @@ cloud (edge.health): 200 while the gateway says it serves, else 503 with the rea
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -71,6 +72,7 @@ class ServeConfig:
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai_limits)
     max_waiting: int = MAX_WAITING  # requests waiting for a slot; more at once: 429
+    send_timeout_s: float = 60.0  # a stream its client does not read for this long is ended
 
 
 def api_error(e: Exception) -> APIError:
@@ -86,18 +88,37 @@ def api_error(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
+class _Stalled(Exception):
+    """The client read nothing of its stream for the send timeout."""
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events that run ``on_close`` however the response ends: done, the client
-    gone, or an error (the generation and its pool slot must always be let go)."""
+    gone, an error, or a client that reads nothing for ``send_timeout_s`` (its unread events
+    fill the sockets and the send waits): the generation and its pool slot must always be let
+    go, or one such client per slot would shut the endpoint."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        send_timeout_s: float,
+    ):
         super().__init__(events, media_type="text/event-stream")
         self.headers["Cache-Control"] = "no-cache"
-        self._on_close = on_close
+        self._on_close, self._send_timeout_s = on_close, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._send_timeout_s)
+            except TimeoutError:
+                raise _Stalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed)
+        except _Stalled:  # the server closes the connection: the response cannot complete
+            log.warning("a client read nothing of its stream for %g s: ended", self._send_timeout_s)
         finally:
             await self._on_close()
 
@@ -108,8 +129,8 @@ class Endpoint:
     def __init__(self, cfg: ServeConfig):
         if cfg.mode not in SERVE_MODES:
             raise ValueError(f"mode must be one of {SERVE_MODES}, got {cfg.mode!r}")
-        if cfg.max_body_bytes < 1 or cfg.max_waiting < 0:
-            raise ValueError("max_body_bytes must be >= 1 and max_waiting >= 0")
+        if cfg.max_body_bytes < 1 or cfg.max_waiting < 0 or not cfg.send_timeout_s > 0:
+            raise ValueError("max_body_bytes must be >= 1, max_waiting >= 0, send_timeout_s > 0")
         self.cfg = cfg
         self.codec = TextCodec(cfg.draft_dir)
         make_drafter = None
@@ -137,7 +158,8 @@ class Endpoint:
         text = TextStream(self.codec.decode, plan.stops)
         if plan.stream:
             events = self._events(run, first, text, plan, reply)
-            return _EventStream(events, lambda: self._finish(run, client))
+            on_close = lambda: self._finish(run, client)  # noqa: E731
+            return _EventStream(events, on_close, self.cfg.send_timeout_s)
         try:
             content = "".join([delta async for delta in _deltas(run, first, text)])
         except Exception as e:

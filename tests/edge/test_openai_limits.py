@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from specsplit.cloud.gateway import start_gateway
+from tests.cloud.test_slow_readers import LONG
 from tests.edge.test_openai import EdgeServe, draft_dir  # noqa: F401 (a fixture)
 from tests.fakes import MODEL, NOWHERE, FakeTriton
 
@@ -87,7 +88,7 @@ def test_a_chunked_body_over_the_limit_is_a_413(small_edge):
 
 
 @contextlib.contextmanager
-def held_gateway() -> Iterator[tuple[int, threading.Event, list]]:
+def held_gateway(model=MODEL) -> Iterator[tuple[int, threading.Event, list]]:
     """A gateway (fake target, own thread and loop) whose steps wait for the event; yields
     (port, the event, the steps begun)."""
     release, begun, ready = threading.Event(), [], threading.Event()
@@ -102,7 +103,7 @@ def held_gateway() -> Iterator[tuple[int, threading.Event, list]]:
             return await super().verify(*args, **kw)
 
     async def serve() -> None:
-        server, bound, service = await start_gateway(NOWHERE, MODEL, sequence_factory=Held)
+        server, bound, service = await start_gateway(NOWHERE, model, sequence_factory=Held)
         port.append(bound)
         ready.set()
         try:
@@ -155,3 +156,42 @@ def test_requests_beyond_the_slots_and_the_queue_are_a_429_at_once(draft_dir, tm
     assert status == 429 and headers.get("Retry-After") == "1"
     assert body["error"]["code"] == "too_many_requests" and refused_in < 1.0
     assert [a[0] for a in answers] == [200, 200]
+
+
+def test_a_stream_its_client_does_not_read_gives_its_slot_back(draft_dir, tmp_path):  # noqa: F811
+    """A streamed completion whose client reads nothing: once the sockets' buffers are full the
+    response waits on the client; after --send-timeout it ends and its slot serves the next
+    request (else one such client per slot shuts the endpoint)."""
+    with held_gateway(LONG) as (port, release, _):
+        release.set()  # an endless cloud-only generation
+        server = EdgeServe(
+            "--server", f"127.0.0.1:{port}", "--draft", str(draft_dir), "--mode", "cloud-only",
+            "--concurrency", "1", "--send-timeout", "1", "--retry-window", "0",
+            log_path=tmp_path / "serve.log",
+        )  # fmt: skip
+        parts = urlsplit(server.url)
+        stuck = socket.socket()
+        try:
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stuck.connect((parts.hostname, parts.port))
+            body = json.dumps(
+                {"model": "x", "prompt": "hello", "max_tokens": 1 << 30, "stream": True}
+            ).encode()
+            stuck.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )  # and never a read
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            request = {"model": "x", "prompt": "hi", "max_tokens": 4}
+            status, _, answer = _post(server.url, request, timeout=40)
+            waited = time.monotonic() - t0
+        finally:
+            stuck.close()
+            server.stop()
+    print(f"the next request was served after {waited:.1f} s")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    # The kernel's send buffer grows to 4 MiB before the stuck stream waits: seconds to fill.
+    assert waited < 25
