@@ -158,15 +158,16 @@ void specsplit_rmsnorm_quantize(const float *x, const float *w, float eps, int64
     }
 }
 
-/* Rotary embedding in place, Llama's "rotate half" form: heads [R, H, D] with rows `stride`
-   floats apart; cos/sin [R, D]. x[i] <- x[i] cos[i] - x[i + D/2] sin[i] and
-   x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2], for i < D/2. */
-void specsplit_rope(float *x, int64_t R, int64_t stride, int64_t H, int64_t D, const float *cos,
-                    const float *sin) {
+/* Rotary embedding in place, Llama's "rotate half" form over the first D values of each head:
+   H heads per row, `hstride` floats apart, rows `stride` floats apart; cos/sin [R, D].
+   x[i] <- x[i] cos[i] - x[i + D/2] sin[i] and x[i + D/2] <- x[i + D/2] cos[i + D/2] +
+   x[i] sin[i + D/2], for i < D/2; a head's values past D (partial rotary) stay as they are. */
+void specsplit_rope(float *x, int64_t R, int64_t stride, int64_t H, int64_t hstride, int64_t D,
+                    const float *cos, const float *sin) {
     const int64_t half = D / 2;
     for (int64_t r = 0; r < R; r++)
         for (int64_t h = 0; h < H; h++) {
-            float *v = x + r * stride + h * D;
+            float *v = x + r * stride + h * hstride;
             const float *c = cos + r * D, *s = sin + r * D;
             for (int64_t i = 0; i < half; i += 8) {
                 const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + half + i);
@@ -433,13 +434,14 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
    q [R, H, D], k_new/v_new [R, KVH, D] (rotated keys); segment s owns rows
    [row0[s], row0[s] + len[s]) at positions [start[s], start[s] + len[s]) and the KV slot
    slot[s]: [layers, 2, KVH, cap[s], D] floats. Writes the new keys/values into the layer's
-   cache, then out [R, H, D]: row i of a segment attends to positions 0..start + i, in
-   position order. */
+   cache, then out [R, H, D]: row i of a segment (position p = start + i) attends to positions
+   lo..p in position order, lo = 0, or p - window + 1 with a sliding window (window > 0).
+   Scores are q.k * scale, soft-capped (softcap > 0: softcap * tanh(score / softcap), Gemma 2). */
 void specsplit_attention(const float *q, const float *k_new, const float *v_new, int64_t H,
                          int64_t KVH, int64_t D, int64_t nseg, float *const *slot,
                          int64_t layer, const int64_t *cap, const int64_t *start,
-                         const int64_t *len, const int64_t *row0, float scale, float *out,
-                         int nt) {
+                         const int64_t *len, const int64_t *row0, float scale, int64_t window,
+                         float softcap, float *out, int nt) {
     float **cache = malloc(sizeof(float *) * (nseg > 0 ? nseg : 1));
     for (int64_t s = 0; s < nseg; s++) cache[s] = slot[s] + layer * 2 * KVH * cap[s] * D;
     int64_t rows = 0;
@@ -460,14 +462,16 @@ void specsplit_attention(const float *q, const float *k_new, const float *v_new,
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 4)
     for (int64_t task = 0; task < rows * H; task++) {
         const int64_t r = task / H, h = task % H, s = seg_of[r];
-        const int64_t ctx = start[s] + (r - row0[s]) + 1;
-        const float *keys = cache[s] + (h / group) * cap[s] * D;
-        const float *values = keys + KVH * cap[s] * D;
+        const int64_t end = start[s] + (r - row0[s]) + 1; /* positions lo .. end - 1 */
+        const int64_t lo = window > 0 && end > window ? end - window : 0, ctx = end - lo;
+        const float *keys = cache[s] + (h / group) * cap[s] * D + lo * D;
+        const float *values = cache[s] + (KVH + h / group) * cap[s] * D + lo * D;
         const float *qv = q + (r * H + h) * D;
         float *p = malloc(sizeof(float) * ctx);
         float peak = -INFINITY;
         for (int64_t j = 0; j < ctx; j++) {
             p[j] = dot_f32(qv, keys + j * D, D) * scale;
+            if (softcap > 0.0f) p[j] = tanhf(p[j] / softcap) * softcap;
             peak = fmaxf(peak, p[j]);
         }
         float total = 0.0f;

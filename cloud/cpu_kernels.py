@@ -61,11 +61,11 @@ _SIGNATURES = {
     "specsplit_has_avx512vnni": [],
     "specsplit_quantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT, _INT],
     "specsplit_rmsnorm_quantize": [_P, _P, _F32, _I64, _I64, _P, _P, _P, _INT, _INT],
-    "specsplit_rope": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "specsplit_rope": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P],
     "specsplit_gemm": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     "specsplit_gemm_vnni": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F32]
-    + [_P, _INT],
+    + [_I64, _F32, _P, _INT],
 }
 
 
@@ -242,9 +242,12 @@ def attention(
     batch: RaggedBatch,
     layer: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Writes each segment's new keys/values of ``layer`` into its slot, then returns the
-    causal attention of every row over its own session's positions ``0..start + i``."""
+    causal attention of every row over its own session's positions ``0..start + i`` (the last
+    ``window`` of them with a sliding window), scores soft-capped at ``softcap`` if given."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # held: C reads their memory
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -263,6 +266,8 @@ def attention(
         batch.lengths,
         batch.row0,
         scale,
+        window or 0,
+        softcap or 0.0,
         _ptr(out),
         _threads(),
     )
@@ -271,14 +276,16 @@ def attention(
 
 def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates, in place, the first ``heads`` heads of each row of ``x`` [R, width] float32
-    (Llama's "rotate half" rotary embedding); cos/sin [R, head_dim] float32."""
+    (Llama's "rotate half" rotary embedding) over their first ``cos.shape[1]`` values (all of
+    a head, or part: partial rotary); cos/sin [R, rotary dims] float32."""
     rows, width = x.shape
+    rot = cos.shape[-1]
     if not x.is_contiguous() or x.dtype != torch.float32 or heads * head_dim > width:
         raise ValueError("rope needs contiguous float32 rows holding the heads")
-    if head_dim % 16 or cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim):
-        raise ValueError("rope needs head_dim % 16 == 0 and cos/sin of [rows, head_dim]")
+    if rot % 16 or rot > head_dim or cos.shape != (rows, rot) or sin.shape != (rows, rot):
+        raise ValueError("rope needs rotary dims % 16 == 0, <= head_dim, cos/sin [rows, dims]")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()  # held: C reads them
-    library().specsplit_rope(_ptr(x), rows, width, heads, head_dim, _ptr(cos), _ptr(sin))
+    library().specsplit_rope(_ptr(x), rows, width, heads, head_dim, rot, _ptr(cos), _ptr(sin))
 
 
 def _threads() -> int:

@@ -23,33 +23,31 @@ from collections.abc import Sequence
 import torch
 
 from specsplit.cloud import cpu_kernels as kernels
-from specsplit.cloud import quant_cache
+from specsplit.cloud import decoder, quant_cache
+from specsplit.cloud.decoder import check_supported
 from specsplit.cloud.huge_pages import copy_into_huge_pages
 from specsplit.cloud.kv_slots import KVSlots
-from specsplit.cloud.quantized import PROJECTIONS, QuantLinear, choose_bits, layer_projections
-from specsplit.cloud.ragged import Segment, check_supported, logits_rows
+from specsplit.cloud.quantized import QuantLinear, choose_bits, layer_projections
+from specsplit.cloud.ragged import Segment, logits_rows
 
 log = logging.getLogger(__name__)
 
 WEIGHTS = ("int8", "int4")
 
 
-LINEARS = {  # fused linear -> (module, projections it reads)
-    "qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "o": ("self_attn", ("o_proj",)),
-    "gate_up": ("mlp", ("gate_proj", "up_proj")),
-    "down": ("mlp", ("down_proj",)),
-}
+def _groups(layer) -> dict[str, tuple[str, ...]]:
+    """Fused linear -> the projections it reads (a family's own fused ones, Phi-3's, as is)."""
+    names = decoder.projections(layer)
+    return {"qkv": names.qkv, "o": ("o_proj",), "gate_up": names.gate_up, "down": ("down_proj",)}
 
 
 def quantize_layer(layer, weights: str, four_bit: bool) -> dict[str, QuantLinear]:
-    bits = dict(
-        zip(PROJECTIONS, choose_bits(layer_projections(layer), weights, four_bit), strict=True)
-    )
+    names = decoder.projections(layer).all
+    bits = dict(zip(names, choose_bits(layer_projections(layer), weights, four_bit), strict=True))
     out = {}
-    for name, (module, names) in LINEARS.items():
-        linears = [getattr(getattr(layer, module), n) for n in names]
-        out[name] = QuantLinear.quantize(linears, [bits[n] for n in names], four_bit)
+    for fused, members in _groups(layer).items():
+        linears = [decoder.projection(layer, n) for n in members]
+        out[fused] = QuantLinear.quantize(linears, [bits[n] for n in members], four_bit)
     return out
 
 
@@ -67,24 +65,27 @@ def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
         ]
 
 
-def _rms_norm(module) -> tuple[torch.Tensor, float]:
-    """(weight, eps) of a Llama/Qwen2 RMSNorm, for the kernels' fused norm + quantisation."""
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None or not hasattr(module, "weight"):
-        raise ValueError(f"{type(module).__name__} is not a Llama-style RMSNorm")
-    return module.weight.detach().float().contiguous(), float(eps)
+def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """An RMSNorm of float32 rows (over the last dim) in torch, where no matmul follows."""
+    weight, eps = norm
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 class _Layer:
-    def __init__(self, layer, linears: dict[str, QuantLinear]):
+    def __init__(self, layer, linears: dict[str, QuantLinear], config):
         self.qkv, self.o = linears["qkv"], linears["o"]
         self.gate_up, self.down = linears["gate_up"], linears["down"]
-        self.input_norm = _rms_norm(layer.input_layernorm)
-        self.post_norm = _rms_norm(layer.post_attention_layernorm)
-        self.act = layer.mlp.act_fn
-        for module, names in LINEARS.values():  # the float weights are no longer needed
-            for name in names:
-                setattr(getattr(layer, module), name, None)
+        norms = decoder.norms(layer)
+        params = lambda m: None if m is None else decoder.rms_norm_params(m, config)  # noqa: E731
+        self.input_norm, self.post_attn_norm = params(norms.pre_attn), params(norms.post_attn)
+        self.pre_mlp_norm, self.post_mlp_norm = params(norms.pre_mlp), params(norms.post_mlp)
+        qk = decoder.qk_norms(layer)
+        self.qk_norms = None if qk is None else (params(qk[0]), params(qk[1]))
+        self.act = decoder.mlp_activation(layer)
+        for members in _groups(layer).values():  # the float weights are no longer needed
+            for name in members:
+                module = layer.self_attn if name in decoder.ATTENTION_PROJECTIONS else layer.mlp
+                setattr(module, name, None)
 
     @property
     def linears(self) -> list[QuantLinear]:
@@ -104,10 +105,11 @@ class KernelForward:
         check_supported(config)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_dim = decoder.head_dim(config)
         if self.head_dim % 16 or self.head_dim > kernels.MAX_HEAD_DIM:
             raise ValueError(f"head_dim {self.head_dim} does not suit the CPU kernels")
-        self.scale = self.head_dim**-0.5
+        self.specs = decoder.layer_specs(config)
+        self.final_softcap = decoder.final_softcap(config)
         inner = model.model
         state = quant_cache.load(cache_key) if cache_key else None
         if state is None:
@@ -117,12 +119,14 @@ class KernelForward:
                 quant_cache.save(cache_key, layers, lm_head)
         else:
             layers, lm_head = state
-        self.layers = [_Layer(layer, q) for layer, q in zip(inner.layers, layers, strict=True)]
+        self.layers = [
+            _Layer(layer, q, config) for layer, q in zip(inner.layers, layers, strict=True)
+        ]
         self.lm_head = lm_head
         _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         self.embed = inner.embed_tokens
-        self.norm = _rms_norm(inner.norm)
-        self.rotary = inner.rotary_emb.float()
+        self.norm = decoder.rms_norm_params(inner.norm, config)
+        self.rotary = decoder.Rotary(inner.float(), config)
         linears = [lin for layer in self.layers for lin in layer.linears]
         self.bytes = sum(lin.nbytes for lin in linears) + self.lm_head.nbytes
         parts = [bits for lin in linears for bits in lin.bits]
@@ -147,25 +151,40 @@ class KernelForward:
         for seg, start, n in zip(segments, starts, lengths, strict=True):
             self.slots.reserve(seg.slot, start + n)
         ids = torch.tensor([t for seg in segments for t in seg.tokens])
-        positions = torch.cat(
-            [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
-        )
-        x = self.embed(ids).float()  # [R, hidden]
-        cos, sin = self.rotary(x[None], positions[None])
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [R, head_dim]
-        rows, hd = x.shape[0], self.head_dim
-        q_width, kv_width = self.heads * hd, self.kv_heads * hd
+        positions = [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+        x = self.embed(ids).float()  # [R, hidden] (Gemma's module scales it)
+        tables = {
+            key: (cos.float().contiguous(), sin.float().contiguous())  # [R, rotary dims]
+            for key, (cos, sin) in self.rotary.tables(x, positions).items()
+        }
         batch = kernels.RaggedBatch([seg.slot.kv for seg in segments], starts, lengths)
         for li, layer in enumerate(self.layers):
-            qkv = layer.qkv(kernels.QuantizedRows(x, layer.input_norm)).contiguous()
-            kernels.rope(qkv, self.heads + self.kv_heads, hd, cos, sin)  # q's and k's heads
-            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-            q = q.reshape(rows, self.heads, hd)
-            k, v = k.reshape(rows, self.kv_heads, hd), v.reshape(rows, self.kv_heads, hd)
-            attn = kernels.attention(q, k, v, batch, li, self.scale)
-            x = x + layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
-            gate, up = layer.gate_up(kernels.QuantizedRows(x, layer.post_norm)).chunk(2, dim=-1)
-            x = x + layer.down(kernels.QuantizedRows(layer.act(gate) * up))
+            x = self._layer(li, layer, x, tables, batch)
         for seg, start, n in zip(segments, starts, lengths, strict=True):
             seg.slot.length = start + n
-        return logits_rows(x, segments, lambda h: self.lm_head(kernels.QuantizedRows(h, self.norm)))
+        return logits_rows(x, segments, self._head)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(kernels.QuantizedRows(h, self.norm))
+        return decoder.soft_cap(logits, self.final_softcap)
+
+    def _layer(self, li: int, layer: _Layer, x, tables, batch) -> torch.Tensor:
+        spec, rows, hd = self.specs[li], x.shape[0], self.head_dim
+        q_width, kv_width = self.heads * hd, self.kv_heads * hd
+        qkv = layer.qkv(kernels.QuantizedRows(x, layer.input_norm)).contiguous()
+        if layer.qk_norms is not None:  # Qwen3, Gemma 3: per head, before the rotation
+            heads = self.heads + self.kv_heads
+            qk = qkv[:, : heads * hd].view(rows, heads, hd)
+            qk[:, : self.heads] = _rms(qk[:, : self.heads], layer.qk_norms[0])
+            qk[:, self.heads :] = _rms(qk[:, self.heads :], layer.qk_norms[1])
+        cos, sin = tables[spec.rope]
+        kernels.rope(qkv, self.heads + self.kv_heads, hd, cos, sin)  # q's and k's heads
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q = q.reshape(rows, self.heads, hd)
+        k, v = k.reshape(rows, self.kv_heads, hd), v.reshape(rows, self.kv_heads, hd)
+        attn = kernels.attention(q, k, v, batch, li, spec.scale, spec.window, spec.softcap)
+        out = layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
+        x = x + (out if layer.post_attn_norm is None else _rms(out, layer.post_attn_norm))
+        gate, up = layer.gate_up(kernels.QuantizedRows(x, layer.pre_mlp_norm)).chunk(2, dim=-1)
+        out = layer.down(kernels.QuantizedRows(layer.act(gate) * up))
+        return x + (out if layer.post_mlp_norm is None else _rms(out, layer.post_mlp_norm))

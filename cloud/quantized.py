@@ -18,6 +18,7 @@ import logging
 import torch
 
 from specsplit.cloud import cpu_kernels as kernels
+from specsplit.cloud import decoder
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +178,9 @@ class QuantLinear:
         return y if self.bias is None else y + self.bias
 
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def layer_projections(layer) -> list[torch.nn.Linear]:
-    """A decoder layer's projections, in ``PROJECTIONS`` order."""
-    return [getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n) for n in PROJECTIONS]
+    """A decoder layer's projections, in ``decoder.projections(layer).all`` order."""
+    return [decoder.projection(layer, n) for n in decoder.projections(layer).all]
 
 
 def projections(model) -> list[torch.nn.Linear]:

@@ -9,8 +9,9 @@ Logits are computed only for segments that ask for them: a prefill needs none (t
 ``committed[:-1]``), so a 30k-token prompt never materialises [L, V] logits.
 
 Uses the Hugging Face model's own modules (norms, projections, MLP, rotary embedding), so weights,
-biases and RoPE scaling are exactly the model's; supports the Llama-style decoders (Qwen2, Llama,
-Mistral without sliding windows). transformers' own forward stays the reference in tests.
+biases and RoPE scaling are exactly the model's; the families and where they differ (sliding
+windows, soft-capping, q/k norms, norms around attention and MLP) are ``cloud.decoder``'s.
+transformers' own forward stays the reference in tests.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specsplit.cloud import decoder
+from specsplit.cloud.decoder import LayerSpec, check_supported
 from specsplit.cloud.kv_slots import KVSlots, Slot
 
-SUPPORTED = ("qwen2", "llama", "mistral")
+__all__ = ["RaggedForward", "Segment", "check_supported", "logits_rows"]
 
 
 @dataclass
@@ -31,22 +34,6 @@ class Segment:
     slot: Slot
     tokens: Sequence[int]
     want_logits: bool
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def check_supported(config) -> None:
-    if config.model_type not in SUPPORTED:
-        raise ValueError(
-            f"batched target supports {', '.join(SUPPORTED)} models, not {config.model_type!r}"
-        )
-    if getattr(config, "use_sliding_window", False) or (
-        config.model_type == "mistral" and getattr(config, "sliding_window", None)
-    ):
-        raise ValueError("sliding-window attention is not supported by the batched target")
 
 
 def logits_rows(x: torch.Tensor, segments, head) -> list[torch.Tensor | None]:
@@ -69,6 +56,22 @@ def logits_rows(x: torch.Tensor, segments, head) -> list[torch.Tensor | None]:
     return result
 
 
+def key_range(start: int, n: int, window: int | None) -> int:
+    """The first position any of a segment's rows at ``start``..``start + n - 1`` may see."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def visible(start: int, n: int, lo: int, window: int | None, device) -> torch.Tensor:
+    """[n, end - lo] bool: row i (position start + i) sees key position p iff p <= start + i
+    and, with a window W, p > start + i - W (transformers' sliding window)."""
+    keys = torch.arange(lo, start + n, device=device)[None, :]
+    rows = torch.arange(start, start + n, device=device)[:, None]
+    allowed = keys <= rows
+    if window is not None:
+        allowed &= keys > rows - window
+    return allowed
+
+
 class RaggedForward:
     def __init__(self, model: torch.nn.Module):
         config = model.config
@@ -78,8 +81,10 @@ class RaggedForward:
         self.inner = model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scale = self.head_dim**-0.5
+        self.head_dim = decoder.head_dim(config)
+        self.specs = decoder.layer_specs(config)
+        self.rotary = decoder.Rotary(self.inner, config)
+        self.final_softcap = decoder.final_softcap(config)
         param = next(model.parameters())
         self.slots = KVSlots(
             len(self.inner.layers), self.kv_heads, self.head_dim, param.dtype, param.device
@@ -94,31 +99,43 @@ class RaggedForward:
         for seg, start in zip(segments, starts, strict=True):
             self.slots.reserve(seg.slot, start + len(seg.tokens))
         ids = torch.tensor([t for seg in segments for t in seg.tokens], device=device)
-        positions = torch.cat(
-            [
-                torch.arange(start, start + len(seg.tokens), device=device)
-                for seg, start in zip(segments, starts, strict=True)
-            ]
-        )
-        x = self.inner.embed_tokens(ids)  # [R, hidden]
-        cos, sin = self.inner.rotary_emb(x[None], positions[None])  # [1, R, head_dim]
-        cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, head_dim]
+        positions = [
+            torch.arange(start, start + len(seg.tokens), device=device)
+            for seg, start in zip(segments, starts, strict=True)
+        ]
+        x = self.inner.embed_tokens(ids)  # [R, hidden] (Gemma's module scales it)
+        tables = self.rotary.tables(x, positions)
         for li, layer in enumerate(self.inner.layers):
-            h = layer.input_layernorm(x)
-            attn = self._attention(li, layer.self_attn, h, cos, sin, segments, starts)
-            x = x + layer.self_attn.o_proj(attn)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            norms = decoder.norms(layer)
+            attn = self._attention(li, layer, norms.pre_attn(x), tables, segments, starts)
+            attn = layer.self_attn.o_proj(attn)
+            x = x + (attn if norms.post_attn is None else norms.post_attn(attn))
+            mlp = layer.mlp(norms.pre_mlp(x))
+            x = x + (mlp if norms.post_mlp is None else norms.post_mlp(mlp))
         for seg, start in zip(segments, starts, strict=True):
             seg.slot.length = start + len(seg.tokens)
         return self._logits(x, segments)
 
-    def _attention(self, li, attn, h, cos, sin, segments, starts) -> torch.Tensor:
-        rows = h.shape[0]
-        q = attn.q_proj(h).view(rows, self.heads, self.head_dim)
-        k = attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+    def _qkv(self, layer, h: torch.Tensor):
+        rows, hd = h.shape[0], self.head_dim
+        names = decoder.projections(layer).qkv
+        if len(names) == 1:  # fused (Phi-3)
+            fused = layer.self_attn.qkv_proj(h)
+            q, k, v = fused.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
+        else:
+            q, k, v = (getattr(layer.self_attn, n)(h) for n in names)
+        q = q.view(rows, self.heads, hd)
+        k, v = k.view(rows, self.kv_heads, hd), v.view(rows, self.kv_heads, hd)
+        norms = decoder.qk_norms(layer)
+        if norms is not None:  # Qwen3, Gemma 3: per head, before the rotation
+            q, k = norms[0](q), norms[1](k)
+        return q, k, v
+
+    def _attention(self, li, layer, h, tables, segments, starts) -> torch.Tensor:
+        spec = self.specs[li]
+        q, k, v = self._qkv(layer, h)
+        cos, sin = tables[spec.rope]
+        q, k = decoder.apply_rotary(q, cos, sin), decoder.apply_rotary(k, cos, sin)
         out = torch.empty_like(q)  # [R, heads, head_dim]
         offset = 0
         for seg, start in zip(segments, starts, strict=True):
@@ -127,22 +144,40 @@ class RaggedForward:
             kv = seg.slot.kv[li]  # [2, kv_heads, capacity, head_dim]
             kv[0, :, start:end] = k[offset : offset + n].transpose(0, 1)
             kv[1, :, start:end] = v[offset : offset + n].transpose(0, 1)
+            lo = key_range(start, n, spec.window)
             mask = None
-            if n > 1:  # query i sits at position start + i and sees keys 0..start + i
-                cols = torch.arange(end, device=h.device)
-                rows_pos = torch.arange(start, end, device=h.device)
-                mask = cols[None, :] <= rows_pos[:, None]  # [n, end]
-            o = F.scaled_dot_product_attention(
-                q[offset : offset + n].transpose(0, 1)[None],  # [1, heads, n, head_dim]
-                kv[0, :, :end][None],  # [1, kv_heads, end, head_dim]
-                kv[1, :, :end][None],
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=True,
+            if n > 1 or lo > 0 or spec.softcap is not None:
+                mask = visible(start, n, lo, spec.window, h.device)  # [n, end - lo]
+            o = _segment_attention(
+                q[offset : offset + n].transpose(0, 1),  # [heads, n, head_dim]
+                kv[0, :, lo:end],  # [kv_heads, end - lo, head_dim]
+                kv[1, :, lo:end],
+                mask,
+                spec,
             )
-            out[offset : offset + n] = o[0].transpose(0, 1)
+            out[offset : offset + n] = o.transpose(0, 1)
             offset += n
-        return out.reshape(rows, self.heads * self.head_dim)
+        return out.reshape(h.shape[0], self.heads * self.head_dim)
 
     def _logits(self, x: torch.Tensor, segments) -> list[torch.Tensor | None]:
-        return logits_rows(x, segments, lambda h: self.model.lm_head(self.inner.norm(h)))
+        def head(h):
+            logits = self.model.lm_head(self.inner.norm(h))
+            return decoder.soft_cap(logits, self.final_softcap)
+
+        return logits_rows(x, segments, head)
+
+
+def _segment_attention(q, keys, values, mask, spec: LayerSpec) -> torch.Tensor:
+    """q [heads, n, hd], keys/values [kv_heads, L, hd], mask [n, L] bool or None ->
+    [heads, n, hd]. Soft-capped scores (Gemma 2) go the eager way, as transformers does."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, scale=spec.scale, enable_gqa=True
+        )[0]
+    group = q.shape[0] // keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=0)
+    values = values.repeat_interleave(group, dim=0)
+    scores = decoder.soft_cap(q @ keys.transpose(1, 2) * spec.scale, spec.softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ values
