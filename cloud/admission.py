@@ -368,13 +368,15 @@ class Admission:
         ticket.end()
 
     def retry_after_ms(self, floor_ms: int = 100, ceiling_ms: int = 30_000) -> int:
-        """When a reservation is likely to end: the oldest live session's expected end, by the
-        mean length of recent sessions, or sooner, when an idle stream's grace runs out (it can
-        then be reclaimed)."""
+        """When a reservation is likely to end: the oldest session's expected end, by the mean
+        length of recent sessions, or sooner, when an idle stream's grace runs out (it can then
+        be reclaimed). Streams whose Start is not admitted yet count from their opening: in a
+        burst they hold every place before any session is live."""
         now = time.monotonic()
         due = []
-        if self.live:
-            due.append(self.live[0].opened + self.mean_session_s - now)
+        opened = [t.opened for t in self.live] + [t.opened for t in self.tickets if not t.admitted]
+        if opened:
+            due.append(min(opened) + self.mean_session_s - now)
         if self.reclaim_after_s is not None:
             idle = [t.active for t in self.tickets if t.end is not None and not t.busy]
             if idle:
