@@ -24,15 +24,20 @@ from specsplit.shared.steps import cache_dir, require_extra, spinner
 METADATA = "specsplit_draft.json"
 DEFAULT_DRAFT = DRAFT_DEFAULT.name
 PRECISIONS = ("fp32", "int8", "int4")  # edge.export's weight formats (edge.onnx_graph)
+# The graph's I/O contract (edge.onnx_graph), checked by the drafter. 2: the KV cache is one
+# buffer per layer written in place (TensorScatter); 1 returned concat(past, new) each step.
+GRAPH_FORMAT = 2
 # int8 (MatMulNBits, as make demo uses): 26.5 ms/token against fp32's 72.7 on one core here, and
 # fp32's top token at 98.4-100% of teacher-forced positions (measured when the export landed).
 DEFAULT_PRECISION = "int8"
 
 
 def export_dir(hf_dir: Path, precision: str) -> Path:
-    """Where the export of ``hf_dir`` at ``precision`` is cached (it may not be there yet)."""
+    """Where the export of ``hf_dir`` at ``precision`` is cached (it may not be there yet). The
+    graph format is part of the name, so an export an older version made is exported again,
+    never run by a drafter that reads another contract."""
     key = hashlib.sha1(str(hf_dir.resolve()).encode()).hexdigest()[:8]
-    return cache_dir() / "onnx" / f"{hf_dir.name}-{key}-{precision}"
+    return cache_dir() / "onnx" / f"{hf_dir.name}-{key}-{precision}-g{GRAPH_FORMAT}"
 
 
 def ensure_draft_onnx(

@@ -3,9 +3,14 @@
 Contract: ``OnnxDrafter`` knows token ids, logits and the cache; nothing about tokenization,
 sampling or the protocol. ``cached`` is the token prefix whose keys/values are in the cache.
 ``forward(tokens)`` runs one pass over ``tokens`` appended after ``cached`` and returns their
-logits; ``truncate(n)`` rolls the cache back to ``cached[:n]`` without recomputing anything (the
-cache is sliced along its sequence axis), and is exact: ``truncate(n)`` then ``forward(x)``
+logits; ``truncate(n)`` rolls the cache back to ``cached[:n]`` without recomputing or copying
+anything (only the cache's length moves), and is exact: ``truncate(n)`` then ``forward(x)``
 gives the logits of a fresh run over ``cached[:n] + x``.
+
+The cache lives in place (``edge.onnx_graph``'s contract): one buffer per layer and kind, bound
+with IO binding as both the graph's past and present, on the device the graph runs on; a step
+writes only its new positions. A sequence that outgrows the buffers moves them to twice the
+size, copying once, so a short chat never holds a max_positions-sized cache.
 
 Edge runtime only: onnxruntime + numpy. Never import torch or transformers here.
 """
@@ -20,10 +25,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specsplit.edge.models import GRAPH_FORMAT
+
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "specsplit_draft.json"  # same name as edge.export writes (not imported: no torch)
 SUPPORTED_FORMAT = 1
+INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
+PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt
 
 
 def default_providers() -> list[str]:
@@ -37,16 +46,55 @@ def _create_session(path: str, options, providers: list[str]) -> ort.InferenceSe
     # onnxruntime-gpu lists CUDA even where its libraries are missing, and then logs an ERROR
     # before falling back to CPU. A fallback is expected on CPU-only machines: keep it quiet and
     # report the provider actually in use instead.
-    if providers[0] != "CUDAExecutionProvider":
-        return ort.InferenceSession(path, sess_options=options, providers=providers)
-    ort.set_default_logger_severity(4)
+    quiet = providers[0] == "CUDAExecutionProvider"
+    if quiet:
+        ort.set_default_logger_severity(4)
     try:
         session = ort.InferenceSession(path, sess_options=options, providers=providers)
+    except Exception as e:  # an older runtime fails on the opset-24 graph with a cryptic error
+        raise RuntimeError(
+            f"ONNX Runtime {ort.__version__} could not load {path}: {e}. Graph format "
+            f"{GRAPH_FORMAT} needs ONNX opset 24 (TensorScatter): onnxruntime-gpu >= 1.31"
+        ) from e
     finally:
-        ort.set_default_logger_severity(2)
+        if quiet:
+            ort.set_default_logger_severity(2)
+    if not quiet:
+        return session
     if session.get_providers()[0] != "CUDAExecutionProvider":
         log.info("CUDA execution provider unavailable here; the draft runs on CPU")
     return session
+
+
+class _KVCache:
+    """One [1, kv_heads, capacity, head_dim] float32 buffer per layer and kind; ``length``
+    positions of each are valid. ``reserve`` grows them (doubling, one copy of the valid part)."""
+
+    def __init__(
+        self, names: list[str], kv_heads: int, head_dim: int, limit: int, device: str
+    ) -> None:
+        self.names = names  # key.0, value.0, key.1, ...
+        self._shape, self._limit, self._device = (kv_heads, head_dim), limit, device
+        self.length = 0
+        self.capacity = 0
+        self.values: list[ort.OrtValue] = []
+
+    def reserve(self, total: int) -> bool:
+        """Room for ``total`` positions; True when the buffers moved (bind the new ones)."""
+        if total <= self.capacity:
+            return False
+        capacity = min(self._limit, max(INITIAL_CAPACITY, 2 * self.capacity, total))
+        kv_heads, head_dim = self._shape
+        values = []
+        for old in self.values or [None] * len(self.names):
+            new = np.zeros((1, kv_heads, capacity, head_dim), np.float32)
+            if old is not None:
+                new[:, :, : self.length] = old.numpy()[:, :, : self.length]
+            # On CPU the OrtValue aliases ``new`` (and keeps it alive); on CUDA it is a copy.
+            values.append(ort.OrtValue.ortvalue_from_numpy(new, self._device, 0))
+        self.values, self.capacity = values, capacity
+        log.debug("draft KV cache: room for %d positions", capacity)
+        return True
 
 
 class OnnxDrafter:
@@ -59,11 +107,16 @@ class OnnxDrafter:
         meta = json.loads((model_dir / METADATA_FILE).read_text())
         if meta.get("format") != SUPPORTED_FORMAT:
             raise ValueError(f"{model_dir}: draft format {meta.get('format')}, need 1")
+        if meta.get("graph_format") != GRAPH_FORMAT:
+            raise ValueError(
+                f"{model_dir} was exported with graph format {meta.get('graph_format')}; this "
+                f"version runs format {GRAPH_FORMAT} (KV cache in place). Export it again: "
+                f"specsplit-edge export --model <its Hugging Face directory>"
+            )
         self.vocab_size: int = int(meta["vocab_size"])
         self.eos_token_ids: tuple[int, ...] = tuple(meta["eos_token_ids"])
         self.precision: str = meta["precision"]
         self.max_positions: int = int(meta["max_positions"])
-        self._num_layers = int(meta["num_layers"])
 
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -76,11 +129,14 @@ class OnnxDrafter:
         )
         self.provider: str = self._session.get_providers()[0]
 
-        empty = np.zeros((1, int(meta["num_kv_heads"]), 0, int(meta["head_dim"])), np.float32)
-        self._kv: list[np.ndarray] = [empty] * (2 * self._num_layers)  # [1, kv, >=len, hd] each
-        layers = [(kind, i) for i in range(self._num_layers) for kind in ("key", "value")]
-        self._input_names = [f"past_{kind}.{i}" for kind, i in layers]
-        self._output_names = ["logits"] + [f"present_{kind}.{i}" for kind, i in layers]
+        layers = [
+            f"{kind}.{i}" for i in range(int(meta["num_layers"])) for kind in ("key", "value")
+        ]
+        device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
+        kv_heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
+        self._kv = _KVCache(layers, kv_heads, head_dim, self.max_positions, device)
+        self._binding = self._session.io_binding()
+        self._binding.bind_output("logits", "cpu")  # first: get_outputs()[0], in binding order
         self._tokens: list[int] = []
         # An LM head over part of the vocabulary (edge.export.head_rows): the others' logits
         # are -inf, so the draft never proposes them (its q is 0 there, which keeps it exact).
@@ -101,27 +157,41 @@ class OnnxDrafter:
             raise ValueError("forward needs at least one token")
         if past + seq > self.max_positions:
             raise ValueError(f"context {past + seq} exceeds the model's {self.max_positions}")
-        feeds = {
-            "input_ids": np.asarray(tokens, dtype=np.int64).reshape(1, seq),  # [1, seq]
-            "position_ids": np.arange(past, past + seq, dtype=np.int64).reshape(1, seq),
-        }
-        for name, kv in zip(self._input_names, self._kv, strict=True):
-            # After a truncate the cache is a strided view; ORT needs contiguous memory.
-            feeds[name] = kv if kv.shape[2] == past else np.ascontiguousarray(kv[:, :, :past])
-        logits, *present = self._session.run(self._output_names, feeds)
-        self._kv = present  # [1, kv, past+seq, hd] each
-        self._tokens.extend(int(t) for t in tokens)
+        # A long prompt goes in chunks: attention scores are [heads, seq, capacity] floats.
+        chunks = [self._step(tokens[i : i + PREFILL_CHUNK]) for i in range(0, seq, PREFILL_CHUNK)]
+        logits = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # [seq, head rows]
         if self._head_ids is None:
-            return logits[0]  # [seq, vocab]
+            return logits  # [seq, vocab]
         full = np.full((seq, self.vocab_size), -np.inf, dtype=np.float32)
-        full[:, self._head_ids] = logits[0]
+        full[:, self._head_ids] = logits
         return full
 
+    def _step(self, tokens: Sequence[int]) -> np.ndarray:
+        past, seq = len(self._tokens), len(tokens)
+        self._reserve(past + seq)
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64).reshape(1, seq))
+        binding.bind_cpu_input("past_len", np.array([past], dtype=np.int64))
+        binding.bind_output("logits", "cpu")  # a fresh [1, seq, vocab] each call
+        self._session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()  # [1, seq, vocab or head rows]
+        self._kv.length = past + seq
+        self._tokens.extend(int(t) for t in tokens)
+        return logits[0]
+
+    def _reserve(self, total: int) -> None:
+        if self._kv.reserve(total):  # the buffers moved: past and present are the new ones
+            for name, value in zip(self._kv.names, self._kv.values, strict=True):
+                self._binding.bind_ortvalue_input(f"past_{name}", value)
+                self._binding.bind_ortvalue_output(f"present_{name}", value)
+
     def truncate(self, n: int) -> None:
-        """Rolls the cache back to ``cached[:n]`` (bookkeeping only; the slice happens lazily)."""
+        """Rolls the cache back to ``cached[:n]``: only its length moves (the next forward
+        overwrites the positions after it in place)."""
         if not 0 <= n <= len(self._tokens):
             raise ValueError(f"truncate({n}) outside 0..{len(self._tokens)}")
         del self._tokens[n:]
+        self._kv.length = n
 
     def reset(self) -> None:
         self.truncate(0)

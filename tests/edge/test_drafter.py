@@ -1,0 +1,163 @@
+"""OnnxDrafter's contract (forward, truncate, the in-place cache) against transformers' Qwen2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import specsplit.edge.onnx_drafter as onnx_drafter
+from specsplit.edge.onnx_drafter import OnnxDrafter
+from specsplit.shared.tiny import reference_greedy
+from tests.edge.reference import CPU, PROMPT, assert_logits_close, drafter_greedy, hf_logits
+
+KINDS = ["tied", "untied", "bf16_sharded"]
+COPY_WARNING = "in-place optimization not activated"  # ORT's TensorScatter, copying a buffer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_then_incremental_steps_match_transformers(qwen_dirs, draft_exports, kind):
+    drafter = OnnxDrafter(draft_exports[kind, "fp32"], providers=CPU)
+    ids = PROMPT + [11, 250, 0, 42, 42, 9, 1]
+    # prompt, three single-token steps, then a block of four (a verify-sized chunk)
+    chunks = [ids[:9], ids[9:10], ids[10:11], ids[11:12], ids[12:]]
+    got = np.concatenate([drafter.forward(chunk) for chunk in chunks])
+    assert_logits_close(got, hf_logits(qwen_dirs[kind], ids))
+    assert drafter.cached == ids
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_greedy_matches_transformers_generate(qwen_dirs, draft_exports, kind):
+    drafter = OnnxDrafter(draft_exports[kind, "fp32"], providers=CPU)
+    assert drafter_greedy(drafter, PROMPT, 24) == reference_greedy(qwen_dirs[kind], PROMPT, 24)
+
+
+def test_truncate_then_forward_equals_fresh_run(draft_exports):
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter.forward(PROMPT)
+    drafter.forward([1, 2, 3, 4])  # a rejected draft block
+    for n, x in [(len(PROMPT) + 2, [77]), (len(PROMPT), [1, 2]), (4, [9, 8, 7]), (0, [5])]:
+        prefix = drafter.cached[:n]
+        drafter.truncate(n)
+        assert drafter.cached == prefix
+        fresh.reset()
+        expected = fresh.forward(prefix + x)[n:]
+        np.testing.assert_allclose(drafter.forward(x), expected, rtol=0, atol=1e-5)
+        assert drafter.cached == prefix + x
+
+
+def test_the_cache_outgrows_its_buffers_and_stays_exact(qwen_dirs, draft_exports, monkeypatch):
+    """Buffers of 4 positions double to 8, 16, 32 while a prompt, steps, a truncate and a block
+    go through: every logit still transformers'."""
+    monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    ids = PROMPT + [11, 250, 0, 42, 42, 9, 1, 3, 3, 5, 8, 13, 21, 34, 55]  # 24 tokens
+    got = [drafter.forward(ids[:3])]
+    capacities = [drafter._kv.capacity]
+    for token in ids[3:12]:
+        got.append(drafter.forward([token]))
+        capacities.append(drafter._kv.capacity)
+    drafter.forward([7, 7, 7])  # rejected
+    drafter.truncate(12)
+    got.append(drafter.forward(ids[12:]))  # a 12-token block grows it once more
+    capacities.append(drafter._kv.capacity)
+    assert sorted(set(capacities)) == [4, 8, 16, 32]
+    assert_logits_close(np.concatenate(got), hf_logits(qwen_dirs["tied"], ids))
+
+
+def test_a_step_writes_its_positions_in_place(draft_exports, capfd):
+    """The buffers bound before a step are the buffers after it: positions before the step keep
+    their bytes, the step's own are written there, none after it is touched; and ONNX Runtime's
+    TensorScatter never copies a whole buffer (it warns when it must, as without IO binding)."""
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter.forward(PROMPT)
+    buffers = list(drafter._kv.values)
+    before = [v.numpy().copy() for v in buffers]  # [1, kv, capacity, hd] each
+    n = len(PROMPT)
+    drafter.forward([42, 43])
+    assert all(a is b for a, b in zip(drafter._kv.values, buffers, strict=True))
+    for value, old in zip(buffers, before, strict=True):
+        now = value.numpy()
+        np.testing.assert_array_equal(now[:, :, :n], old[:, :, :n])
+        assert np.abs(now[:, :, n : n + 2]).min() > 0  # the new keys and values
+        assert not now[:, :, n + 2 :].any()  # zeros, never written
+    after = [v.numpy().copy() for v in buffers]
+    drafter.truncate(n - 1)  # rollback: only the length moves, not a byte
+    assert drafter._kv.length == n - 1
+    for value, old in zip(buffers, after, strict=True):
+        np.testing.assert_array_equal(value.numpy(), old)
+    drafter.forward([44])
+    assert COPY_WARNING not in capfd.readouterr().err
+    session = drafter._session  # the control: plain run() hands ORT separate buffers
+    feeds = {"input_ids": np.array([[1]]), "past_len": np.array([0])}
+    feeds |= {i.name: np.zeros((1, 2, 8, 16), np.float32) for i in session.get_inputs()[2:]}
+    session.run(["logits"], feeds)
+    assert COPY_WARNING in capfd.readouterr().err
+
+
+def test_reset_and_truncate_bounds(draft_exports):
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    first = drafter.forward(PROMPT)
+    drafter.truncate(len(PROMPT))  # no-op
+    with pytest.raises(ValueError):
+        drafter.truncate(len(PROMPT) + 1)
+    with pytest.raises(ValueError):
+        drafter.truncate(-1)
+    with pytest.raises(ValueError):
+        drafter.forward([])
+    drafter.reset()
+    assert drafter.cached == []
+    np.testing.assert_array_equal(drafter.forward(PROMPT), first)
+
+
+def test_a_long_prompt_goes_in_chunks_with_the_same_logits(draft_exports, monkeypatch):
+    whole = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU).forward(PROMPT)
+    monkeypatch.setattr(onnx_drafter, "PREFILL_CHUNK", 4)
+    chunked = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    np.testing.assert_allclose(chunked.forward(PROMPT), whole, rtol=0, atol=1e-5)
+    assert chunked.cached == PROMPT
+
+
+def test_drafter_attributes(draft_exports):
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU, threads=1)
+    assert (drafter.vocab_size, drafter.precision, drafter.provider) == (
+        256,
+        "fp32",
+        "CPUExecutionProvider",
+    )
+    assert drafter.eos_token_ids == ()
+    assert drafter.forward([1, 2]).shape == (2, 256)
+
+
+def test_an_export_of_another_graph_format_is_refused_clearly(draft_exports, tmp_path):
+    """An export made by an older version (KV cache as concat(past, new)) is never misread."""
+    old = shutil.copytree(draft_exports["tied", "fp32"], tmp_path / "old")
+    meta = json.loads((old / "specsplit_draft.json").read_text())
+    meta["graph_format"] = 1
+    (old / "specsplit_draft.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="graph format 1.*Export it again"):
+        OnnxDrafter(old, providers=CPU)
+
+
+def test_cached_exports_are_keyed_by_graph_format(tmp_path, monkeypatch):
+    """A cached export made for another graph format is never found: it is exported again."""
+    from specsplit.edge.models import GRAPH_FORMAT, export_dir
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    assert export_dir(tmp_path / "hf", "int8").name.endswith(f"-int8-g{GRAPH_FORMAT}")
+
+
+def test_drafter_does_not_import_torch():
+    code = (
+        "import sys, specsplit.edge.onnx_drafter; "
+        "bad = [m for m in ('torch', 'transformers', 'onnx') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
