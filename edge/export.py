@@ -1,4 +1,7 @@
-"""Exports a Hugging Face Qwen2 checkpoint to the edge's ONNX draft format (a build step).
+"""Exports a Hugging Face checkpoint to the edge's ONNX draft format (a build step).
+
+Families: ``edge.families.FAMILIES`` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text,
+Phi-3/3.5/4-mini); each is read from its ``config.json`` by ``edge.families.read_spec``.
 
 ``export_onnx(model_dir, out_dir, precision)`` reads ``config.json`` + ``*.safetensors`` (single or
 sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` containing:
@@ -27,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specsplit.edge.families import ModelSpec, check_architecture, read_spec
 from specsplit.edge.models import PRECISIONS
-from specsplit.edge.onnx_graph import GRAPH_FORMAT, OPSET, Qwen2Spec, build_model
+from specsplit.edge.onnx_graph import GRAPH_FORMAT, OPSET, build_model
 
 log = logging.getLogger(__name__)
 
@@ -85,40 +89,6 @@ class SafetensorsWeights:
         return raw.astype(np.float32, copy=False).reshape(shape)
 
 
-def check_architecture(config: dict) -> None:
-    if config.get("model_type") != "qwen2":
-        raise ValueError(f"unsupported architecture {config.get('model_type')!r}; need 'qwen2'")
-
-
-def read_spec(config: dict, weights: SafetensorsWeights) -> Qwen2Spec:
-    """Validates a Qwen2 config.json (as a dict) and returns the graph's shape parameters."""
-    check_architecture(config)
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}; only default RoPE is exported")
-    if config.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported by the edge export")
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    heads = config["num_attention_heads"]
-    tied = config.get("tie_word_embeddings", "lm_head.weight" not in weights)
-    if not tied and "lm_head.weight" not in weights:
-        raise ValueError("tie_word_embeddings is false but the checkpoint has no lm_head.weight")
-    return Qwen2Spec(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_positions=config.get("max_position_embeddings", 32768),
-        tied_embeddings=bool(tied),
-    )
-
-
 def eos_token_ids(model_dir: Path, config: dict) -> list[int]:
     """EOS ids of generation_config.json then config.json, deduplicated, in that order."""
     found: list[int] = []
@@ -134,7 +104,7 @@ def eos_token_ids(model_dir: Path, config: dict) -> list[int]:
     return found
 
 
-def head_rows(model_dir: Path, config: dict, spec: Qwen2Spec, head_vocab: int) -> np.ndarray | None:
+def head_rows(model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int) -> np.ndarray | None:
     """The token ids a draft's LM head keeps when it covers ``head_vocab`` of the vocabulary
     (0: all of it): the ``head_vocab`` lowest ids, which byte-level BPE vocabularies (Qwen,
     Llama 3, GPT-2 style) number in merge order, roughly by frequency, plus every special or
@@ -151,13 +121,13 @@ def head_rows(model_dir: Path, config: dict, spec: Qwen2Spec, head_vocab: int) -
     return np.array(sorted(keep), dtype=np.int64)
 
 
-def _metadata(model_dir: Path, config: dict, spec: Qwen2Spec, precision: str) -> dict:
+def _metadata(model_dir: Path, config: dict, spec: ModelSpec, precision: str) -> dict:
     return {
         "format": METADATA_FORMAT,
         "graph_format": GRAPH_FORMAT,
         "opset": OPSET,
         "onnx_file": ONNX_FILE,
-        "architecture": "qwen2",
+        "architecture": spec.family,
         "precision": precision,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -165,7 +135,6 @@ def _metadata(model_dir: Path, config: dict, spec: Qwen2Spec, precision: str) ->
         "num_heads": spec.num_heads,
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
-        "rope_theta": spec.rope_theta,
         "max_positions": spec.max_positions,
         "tied_embeddings": spec.tied_embeddings,
         "eos_token_ids": eos_token_ids(model_dir, config),
@@ -177,7 +146,7 @@ def _write(model_dir: Path, tmp: Path, precision: str, progress: bool, head_voca
     config = json.loads((model_dir / "config.json").read_text())
     check_architecture(config)  # before looking for weights
     weights = SafetensorsWeights(model_dir)
-    spec = read_spec(config, weights)
+    spec = read_spec(config, has_lm_head="lm_head.weight" in weights)
     level = logging.INFO if progress else logging.DEBUG
 
     def on_layer(done: int, total: int) -> None:
@@ -206,7 +175,8 @@ def export_onnx(
     progress: bool = False,
     head_vocab: int = 0,
 ) -> Path:
-    """Exports ``model_dir`` (HF Qwen2) to ``out_dir``; returns ``out_dir``. Replaces an old one.
+    """Exports ``model_dir`` (a Hugging Face checkpoint of a supported family) to ``out_dir``;
+    returns ``out_dir``. Replaces an old one.
     ``head_vocab``: an LM head over that many of the vocabulary's ids (``head_rows``); 0: all."""
     if precision not in PRECISIONS:
         raise ValueError(f"unsupported precision {precision!r}; choose one of {PRECISIONS}")

@@ -91,10 +91,19 @@ class GraphBuilder:
         return self.const(name, np.asarray(values, dtype=np.int64))
 
     def linear(
-        self, x: str, weight: np.ndarray, name: str, out: str | None = None, bits: int = 0
+        self,
+        x: str,
+        weight: np.ndarray,
+        name: str,
+        out: str | None = None,
+        bits: int = 0,
+        bias: np.ndarray | None = None,
     ) -> str:
-        """x @ weight.T for an HF Linear weight [out, in]: fp32 MatMul, or MatMulNBits in
-        ``bits`` (default: the graph's precision)."""
+        """x @ weight.T (+ bias) for an HF Linear weight [out, in]: fp32 MatMul, or MatMulNBits
+        in ``bits`` (default: the graph's precision)."""
+        if bias is not None:
+            y = self.linear(x, weight, name, bits=bits)
+            return self.op("Add", [y, self.const(f"{name}.bias", bias)], out=out)
         if not self.int8:
             return self.op("MatMul", [x, self.const(f"{name}.weight_t", weight.T)], out=out)
         n, k = weight.shape

@@ -130,22 +130,38 @@ def test_metadata_and_copied_files(tmp_path):
     meta = json.loads((out / "specsplit_draft.json").read_text())
     expected = {"vocab_size": 256, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
     assert {k: meta[k] for k in expected} == expected
-    assert (meta["precision"], meta["eos_token_ids"], meta["rope_theta"]) == ("fp32", [7], 1e4)
+    assert (meta["precision"], meta["eos_token_ids"], meta["architecture"]) == (
+        "fp32",
+        [7],
+        "qwen2",
+    )
     assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 2, "hf")
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
 
 
-def test_unsupported_model_type_and_precision_raise(tmp_path, qwen_dirs):
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="llama"):
-        export_onnx(llama, tmp_path / "out")
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "gpt2"}, "unsupported architecture 'gpt2'.*llama, mistral, qwen2"),
+        ({"model_type": "gemma3"}, "multimodal.*gemma3_text"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional"),
+    ],
+)
+def test_unsupported_model_types_are_refused_by_name(tmp_path, config, message):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        export_onnx(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temp dirs
+
+
+def test_unsupported_precision_raises(tmp_path, qwen_dirs):
     with pytest.raises(ValueError, match="precision"):
         export_onnx(qwen_dirs["tied"], tmp_path / "out", precision="int3")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]  # no output, no temp dirs
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_failed_export_keeps_previous_output(tmp_path, qwen_dirs):
