@@ -8,7 +8,8 @@ sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` con
 
 - ``model.onnx`` + ``model.onnx.data``: the graph of ``edge.onnx_graph`` (I/O contract there),
   weights as external data;
-- ``specsplit_draft.json``: what ``edge.onnx_drafter.OnnxDrafter`` needs (``METADATA_FORMAT``);
+- ``specsplit_draft.json``: what ``edge.onnx_drafter.OnnxDrafter`` needs (``METADATA_FORMAT``),
+  including the tokenizer's fingerprint (``shared.tokenizer_fingerprint``) for the pairing check;
 - copies of the tokenizer / generation / model config files present in ``model_dir``.
 
 The output is built in a temporary sibling directory and renamed into place, so a failed export
@@ -33,6 +34,7 @@ import numpy as np
 from specsplit.edge.families import ModelSpec, check_architecture, read_spec
 from specsplit.edge.models import PRECISIONS
 from specsplit.edge.onnx_graph import GRAPH_FORMAT, OPSET, build_model
+from specsplit.shared.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,20 @@ def head_rows(model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int) -
     return np.array(sorted(keep), dtype=np.int64)
 
 
+def _fingerprint(model_dir: Path) -> str | None:
+    """shared.tokenizer_fingerprint of the checkpoint's tokenizer.json; None without one."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        log.warning(
+            "%s has no tokenizer.json: the draft carries no tokenizer fingerprint", model_dir
+        )
+        return None
+    try:
+        return tokenizer_fingerprint(path)
+    except Exception as e:  # the edge tokenizes with the same package: it would fail there too
+        raise ValueError(f"{path}: the tokenizers package cannot read it ({e})") from e
+
+
 def _metadata(model_dir: Path, config: dict, spec: ModelSpec, precision: str) -> dict:
     return {
         "format": METADATA_FORMAT,
@@ -138,6 +154,7 @@ def _metadata(model_dir: Path, config: dict, spec: ModelSpec, precision: str) ->
         "max_positions": spec.max_positions,
         "tied_embeddings": spec.tied_embeddings,
         "eos_token_ids": eos_token_ids(model_dir, config),
+        "tokenizer_fingerprint": _fingerprint(model_dir),
         "source": {"name": model_dir.name, "dir": str(model_dir)},
     }
 

@@ -117,6 +117,9 @@ class OnnxDrafter:
         self.eos_token_ids: tuple[int, ...] = tuple(meta["eos_token_ids"])
         self.precision: str = meta["precision"]
         self.max_positions: int = int(meta["max_positions"])
+        # shared.tokenizer_fingerprint of the draft's tokenizer (None: exported without one);
+        # the target's must be the same for the pair to make sense
+        self.tokenizer_fingerprint: str | None = meta.get("tokenizer_fingerprint")
 
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -14,6 +14,7 @@ from specsplit.edge.export import export_onnx
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny import make_tiny_qwen2
 from tests.edge.reference import CPU, PROMPT, drafter_greedy
+from tests.shared.test_tokenizer_fingerprint import save as save_tokenizer
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied"])
@@ -125,7 +126,7 @@ def test_graph_io_names_and_shapes(draft_exports):
 
 def test_metadata_and_copied_files(tmp_path):
     src = make_tiny_qwen2(tmp_path / "hf", seed=3, eos_token_id=7)
-    (src / "tokenizer.json").write_text("{}")
+    save_tokenizer(src / "tokenizer.json")
     out = export_onnx(src, tmp_path / "onnx")
     meta = json.loads((out / "specsplit_draft.json").read_text())
     expected = {"vocab_size": 256, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
@@ -139,6 +140,10 @@ def test_metadata_and_copied_files(tmp_path):
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
+    assert meta["tokenizer_fingerprint"].startswith("v1:")
+    (src / "tokenizer.json").write_text("{}")  # unreadable: the edge could not tokenize either
+    with pytest.raises(ValueError, match="tokenizer.json: the tokenizers package cannot read it"):
+        export_onnx(src, tmp_path / "again")
 
 
 @pytest.mark.parametrize(
