@@ -79,13 +79,16 @@ def _configs(family: str) -> tuple[type, type, dict]:
             dict(
                 num_attention_heads=2,  # head_dim 32: 16 rotary dims, as the CPU kernels need
                 num_key_value_heads=1,
+                # LongRoPE's long factors from position 16 on: the test sequences cross it (the
+                # top-level field overrides the one inside rope_scaling)
+                original_max_position_embeddings=16,
                 sliding_window=WINDOW,
                 partial_rotary_factor=0.5,
                 rope_scaling={
                     "rope_type": "longrope",
                     "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],  # rotary dims / 2
                     "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5],
-                    "original_max_position_embeddings": 256,
+                    "original_max_position_embeddings": 16,
                 },
             ),
         ),
