@@ -39,6 +39,8 @@ class ReplayDrafter(Proposer):
     def __init__(self, live, greedy: bool):
         self.live, self.greedy = live, greedy
         self.vocab_size, self.eos_token_ids = live.vocab_size, live.eos_token_ids
+        self.tokenizer_fingerprint = getattr(live, "tokenizer_fingerprint", None)
+        self.token_count = getattr(live, "token_count", None)
         self.blocks: dict[tuple[int, ...], Block] = {}
         # prefix -> the draft after it and its q: what a draft-ahead guesses after
         # committed + d_1..d_j is d_(j+1), drawn as d_(j+1) itself was (edge.proposer)

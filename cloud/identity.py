@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specsplit.cloud.session import ModelLimits
 from specsplit.shared.protocol import pb
+from specsplit.shared.tokenizer_fingerprint import token_count, tokenizer_fingerprint
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class ModelIdentity:
     architecture: str
     limits: ModelLimits
     tokenizer_digest: str
+    tokenizer_fingerprint: str = ""  # shared.tokenizer_fingerprint; "" when not known
+    token_count: int = 0  # ids the tokenizer defines; 0 when not known
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name: str | None = None) -> ModelIdentity:
@@ -30,12 +33,16 @@ class ModelIdentity:
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         tok = d / "tokenizer.json"
         digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.exists() else ""
+        fingerprint, count = "", 0
+        if tok.exists():
+            fingerprint, count = tokenizer_fingerprint(tok), token_count(tok)
         limits = ModelLimits(
             vocab_size=int(config["vocab_size"]),
             max_context=int(config.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
         )
-        return cls(name or d.name, config.get("model_type", ""), limits, digest)
+        architecture = config.get("model_type", "")
+        return cls(name or d.name, architecture, limits, digest, fingerprint, count)
 
     def to_pb(self) -> pb.ModelInfo:
         return pb.ModelInfo(
@@ -44,4 +51,6 @@ class ModelIdentity:
             vocab_size=self.limits.vocab_size,
             eos_token_ids=list(self.limits.eos_token_ids),
             tokenizer_digest=self.tokenizer_digest,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            token_count=self.token_count,
         )

@@ -43,6 +43,14 @@ def open_session(
         raise ProtocolError(
             Code.NOT_FOUND, f"unknown model {start.model!r} (serving {model.name!r})"
         )
+    known = start.draft_tokenizer and model.tokenizer_fingerprint
+    if known and start.draft_tokenizer != model.tokenizer_fingerprint:
+        raise ProtocolError(
+            Code.FAILED_PRECONDITION,
+            f"the draft's tokenizer ({start.draft_tokenizer[:19]}...) is not the target "
+            f"{model.name!r}'s ({model.tokenizer_fingerprint[:19]}...): a draft must share "
+            "its target's tokenizer",
+        )
     limits = model.limits
     prompt = list(start.prompt_ids)
     if not prompt:

@@ -39,6 +39,7 @@ from specsplit.shared.acceptance import (
 from specsplit.shared.coupling import SharedNoise
 from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs
 from specsplit.shared.seeding import round_rng
+from specsplit.shared.tokenizer_fingerprint import token_count
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,10 @@ class TargetModel:
         self.config = self.forward.config
         self.model = getattr(self.forward, "model", None)  # the torch model (float path only)
         self.vocab_size = int(self.config.vocab_size)
+        # Ids past the tokenizer's are a model's padding rows (no text maps to them): the
+        # target never emits one, so a draft padded differently never meets one either.
+        tokenizer = Path(model_dir) / "tokenizer.json"
+        self.token_count = token_count(tokenizer) if tokenizer.exists() else self.vocab_size
         self.sessions: dict[int, _Sequence] = {}
         self.forward_passes = 0
         self.cost = CostModel()
@@ -341,6 +346,9 @@ class TargetModel:
         return session
 
     def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
+        if self.token_count < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, self.token_count :] = float("-inf")
         if params.mode is VerificationMode.GREEDY:
             return verify_greedy(logits.argmax(dim=-1).cpu().numpy(), drafts)
         p = logits_to_probs(logits.float().cpu().numpy(), params.sampling)  # [k + 1, V]

@@ -34,7 +34,7 @@ import numpy as np
 from specsplit.edge.families import ModelSpec, check_architecture, read_spec
 from specsplit.edge.models import PRECISIONS
 from specsplit.edge.onnx_graph import GRAPH_FORMAT, OPSET, build_model
-from specsplit.shared.tokenizer_fingerprint import tokenizer_fingerprint
+from specsplit.shared.tokenizer_fingerprint import token_count, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,12 @@ def head_rows(model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int) -
     return np.array(sorted(keep), dtype=np.int64)
 
 
+def _token_count(model_dir: Path) -> int | None:
+    """Ids the checkpoint's tokenizer defines (shared.tokenizer_fingerprint.token_count)."""
+    path = model_dir / "tokenizer.json"
+    return token_count(path) if path.exists() else None
+
+
 def _fingerprint(model_dir: Path) -> str | None:
     """shared.tokenizer_fingerprint of the checkpoint's tokenizer.json; None without one."""
     path = model_dir / "tokenizer.json"
@@ -155,6 +161,7 @@ def _metadata(model_dir: Path, config: dict, spec: ModelSpec, precision: str) ->
         "tied_embeddings": spec.tied_embeddings,
         "eos_token_ids": eos_token_ids(model_dir, config),
         "tokenizer_fingerprint": _fingerprint(model_dir),
+        "token_count": _token_count(model_dir),
         "source": {"name": model_dir.name, "dir": str(model_dir)},
     }
 

@@ -120,6 +120,10 @@ class OnnxDrafter:
         # shared.tokenizer_fingerprint of the draft's tokenizer (None: exported without one);
         # the target's must be the same for the pair to make sense
         self.tokenizer_fingerprint: str | None = meta.get("tokenizer_fingerprint")
+        # Ids past the tokenizer's are padding rows no text maps to: never proposed.
+        self.token_count: int = min(
+            int(meta.get("token_count") or self.vocab_size), self.vocab_size
+        )
 
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -163,11 +167,13 @@ class OnnxDrafter:
         # A long prompt goes in chunks: attention scores are [heads, seq, capacity] floats.
         chunks = [self._step(tokens[i : i + PREFILL_CHUNK]) for i in range(0, seq, PREFILL_CHUNK)]
         logits = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # [seq, head rows]
-        if self._head_ids is None:
-            return logits  # [seq, vocab]
-        full = np.full((seq, self.vocab_size), -np.inf, dtype=np.float32)
-        full[:, self._head_ids] = logits
-        return full
+        if self._head_ids is not None:
+            full = np.full((seq, self.vocab_size), -np.inf, dtype=np.float32)
+            full[:, self._head_ids] = logits
+            logits = full
+        if self.token_count < self.vocab_size:
+            logits[:, self.token_count :] = -np.inf
+        return logits  # [seq, vocab]
 
     def _step(self, tokens: Sequence[int]) -> np.ndarray:
         past, seq = len(self._tokens), len(tokens)

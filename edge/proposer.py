@@ -24,6 +24,10 @@ from specsplit.shared.sampling import SparseDist
 
 class Proposer(Protocol):
     vocab_size: int
+    # What the pairing check at Start reads (edge.rounds): the draft tokenizer's fingerprint
+    # (shared.tokenizer_fingerprint; None: not known) and the ids it may propose, [0, count).
+    tokenizer_fingerprint: str | None = None
+    token_count: int | None = None
 
     def propose(
         self, committed: Sequence[int], k: int, rule: DraftRule, stop: threading.Event | None = None
@@ -52,6 +56,8 @@ class DraftModelProposer(Proposer):
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
         self.vocab_size = drafter.vocab_size
+        self.tokenizer_fingerprint = getattr(drafter, "tokenizer_fingerprint", None)
+        self.token_count = getattr(drafter, "token_count", None)
 
     def _model(self, stop: threading.Event | None) -> Drafter:
         return self.drafter if stop is None else Stoppable(self.drafter, stop)

@@ -30,7 +30,8 @@ async def run_rounds(
     cfg = stream.cfg
     rule = None
     early = None
-    await stream.start(plan.mode)
+    drafts = proposer is not None and plan.mode is not SessionMode.CLOUD_ONLY
+    await stream.start(plan.mode, proposer.tokenizer_fingerprint if drafts else None)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
     # sampled draft needs the seed first, which Started brings when the request sent none.
     if plan.mode is SessionMode.LOCK_STEP and (stream.seed is not None or cfg.sampling.greedy):
@@ -69,9 +70,21 @@ def _rule(stream: Stream, proposer: Proposer, seed: int | None) -> DraftRule:
 
 
 def _check_pair(proposer: Proposer, model: pb.ModelInfo) -> None:
-    if proposer.vocab_size > model.vocab_size:
+    """The draft and the target share a tokenizer (when both name theirs: a server that checks
+    refused the Start already; an older one did not), and every id the draft may propose is one
+    the target can verify. Vocabularies padded differently (Qwen2.5-0.5B's 151,936 rows, 7B's
+    152,064) pair: neither side ever proposes or emits a padding row."""
+    ours, theirs = proposer.tokenizer_fingerprint, model.tokenizer_fingerprint
+    if ours and theirs and ours != theirs:
         raise SpecsplitError(
             None,
-            f"draft vocabulary ({proposer.vocab_size}) does not fit the target "
-            f"{model.name!r} ({model.vocab_size}): not a matching draft model",
+            f"the draft's tokenizer is not the target {model.name!r}'s "
+            f"({ours[:19]}... != {theirs[:19]}...): not a matching draft model",
+        )
+    proposes = proposer.token_count or proposer.vocab_size
+    if proposes > model.vocab_size:
+        raise SpecsplitError(
+            None,
+            f"the draft may propose ids up to {proposes - 1}, beyond the target "
+            f"{model.name!r}'s vocabulary ({model.vocab_size}): not a matching draft model",
         )

@@ -106,8 +106,9 @@ class Stream:
             raise SpecsplitError(None, f"expected {kind}, got {msg.WhichOneof('msg')}")
         return getattr(msg, kind)
 
-    async def start(self, mode: SessionMode) -> None:
-        """Opens the call and sends Start, asking for session mode ``mode``."""
+    async def start(self, mode: SessionMode, draft_tokenizer: str | None = None) -> None:
+        """Opens the call and sends Start, asking for session mode ``mode``; a drafting client
+        names its draft's tokenizer (the cloud refuses a pair that does not share one)."""
         cfg = self.cfg
         self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
@@ -116,6 +117,7 @@ class Stream:
             prompt_ids=self.committed,
             sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
             verification=MODE_TO_PB.get(cfg.verification, 0),
+            draft_tokenizer=draft_tokenizer or "",
             **session_mode_fields(mode),
         )
         self._t_start = time.perf_counter()

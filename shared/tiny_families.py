@@ -117,3 +117,33 @@ def make_tiny(family: str, path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     GenerationConfig(eos_token_id=None, do_sample=False).save_pretrained(path)
     return path
+
+
+def stepwise_logits(model, seq: list[int]):
+    """transformers' logits [len(seq), vocab] for positions 0..len-1, one token per call with
+    its cache: what its one-token steps compute. (A length-dependent rotary table, Phi-3's
+    LongRoPE, is picked per call: per position here, as both of our engines pick it; a single
+    call over the whole sequence would pick the long factors for every position.)"""
+    import torch
+    from transformers import DynamicCache
+
+    cache, rows = DynamicCache(config=model.config), []
+    with torch.no_grad():
+        for i, token in enumerate(seq):
+            out = model(
+                torch.tensor([[token]]),
+                position_ids=torch.tensor([[i]]),
+                cache=cache,
+                use_cache=True,
+            )
+            rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
+def stepwise_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``prompt`` + n greedy tokens from ``stepwise_logits`` (generate() agrees with it but for
+    Phi-3 past LongRoPE's switch, where it picks other factors than its one-token forward)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(stepwise_logits(model, seq)[-1].argmax()))
+    return seq

@@ -38,16 +38,32 @@ def _entry(token_id: int, token: str) -> bytes:
     return f"{token_id} {len(raw)} ".encode() + raw + b"\n"
 
 
-def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
-    """The fingerprint (``"v1:<sha256 hex>"``) of a ``tokenizer.json``; see the module docstring."""
+def _load(tokenizer_json: str | Path):
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(tokenizer_json))
-    vocab = sorted(
+    return Tokenizer.from_file(str(tokenizer_json))
+
+
+def _vocab(tokenizer) -> list[tuple[int, str]]:
+    """(id, token) of every token the tokenizer defines, GGUF padding rows left out."""
+    return sorted(
         (token_id, token)
         for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()
         if token != f"[PAD{token_id}]"  # a GGUF conversion's padding row
     )
+
+
+def token_count(tokenizer_json: str | Path) -> int:
+    """One past the largest id the tokenizer defines (padding rows left out): ids from here to a
+    model's vocab_size are rows no text maps to, which neither side ever proposes or emits."""
+    vocab = _vocab(_load(tokenizer_json))
+    return vocab[-1][0] + 1 if vocab else 0
+
+
+def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
+    """The fingerprint (``"v1:<sha256 hex>"``) of a ``tokenizer.json``; see the module docstring."""
+    tokenizer = _load(tokenizer_json)
+    vocab = _vocab(tokenizer)
     special = sorted(
         (token_id, added.content)
         for token_id, added in tokenizer.get_added_tokens_decoder().items()

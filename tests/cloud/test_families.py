@@ -15,7 +15,7 @@ import torch
 
 from specsplit.cloud.ragged import RaggedForward, Segment
 from specsplit.shared.tiny import reference_greedy
-from specsplit.shared.tiny_families import FAMILIES, make_tiny
+from specsplit.shared.tiny_families import FAMILIES, make_tiny, stepwise_greedy, stepwise_logits
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 100], [42, 17, 250, 8, 8, 8, 31, 64, 99, 12, 5]]
 N_NEW = 20
@@ -31,34 +31,6 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def stepwise_logits(model, seq: list[int]) -> torch.Tensor:
-    """transformers' logits for positions 0..len-1, one token per call with its cache, as its
-    generate() computes them (a length-dependent rotary table is picked per call)."""
-    from transformers import DynamicCache
-
-    cache, rows = DynamicCache(config=model.config), []
-    with torch.no_grad():
-        for i, token in enumerate(seq):
-            out = model(
-                torch.tensor([[token]]),
-                position_ids=torch.tensor([[i]]),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            rows.append(out.logits[0, -1])
-    return torch.stack(rows)
-
-
-def stepwise_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """``prompt`` + n greedy tokens, one token per transformers call. (For Phi-3's LongRoPE past
-    its original length, generate() picks other rotary factors than its own one-token forward
-    does; elsewhere the two agree: test_stepwise_greedy_is_generate.)"""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(stepwise_logits(model, seq)[-1].argmax()))
-    return seq
 
 
 def test_stepwise_greedy_is_generate(family):
