@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_sigterm()
 
     from specsplit.edge.models import ensure_draft_onnx
-    from specsplit.shared.sources import resolve_model
+    from specsplit.shared.weights.sources import resolve_model
 
     t0 = time.monotonic()
     console.rule("[bold]models")

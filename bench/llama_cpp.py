@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsplit.cloud.triton import free_port, pinned, stop_process_group
+from specsplit.cloud.supervision.triton import free_port, pinned, stop_process_group
 from specsplit.shared.steps import cache_dir, locked
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from rich.console import Console
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.replay import LoggingDrafter, ReplayDrafter
 from bench.report import cpu_model
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.edge.models import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
-    from specsplit.shared.sources import resolve_model
+    from specsplit.shared.weights.sources import resolve_model
 
     plan = PLANS["quick" if args.quick else "full"]
     if args.temperatures:

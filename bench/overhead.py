@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 
 ROUNDS_PER_RUN = 100
@@ -51,7 +51,7 @@ async def _collect(address: str, draft_dir: Path, runs: int) -> dict[str, np.nda
 
 
 def measure_overhead(edge_cores: set[int], cloud_cores: set[int], runs: int = 3) -> dict:
-    from specsplit.edge.export import export_onnx
+    from specsplit.edge.export.exporter import export_onnx
     from specsplit.shared.tiny import make_tiny_qwen2
 
     with tempfile.TemporaryDirectory(prefix="specsplit-overhead-") as tmp:

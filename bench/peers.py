@@ -35,7 +35,7 @@ from rich.logging import RichHandler
 from bench import llama_cpp
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.run import load_prompts
-from specsplit.cloud.triton import free_port, pinned, stop_process_group
+from specsplit.cloud.supervision.triton import free_port, pinned, stop_process_group
 
 HERE = Path(__file__).parent
 console = Console(stderr=True)
@@ -208,7 +208,7 @@ async def specsplit_generations(address: str, drafter, row: Row, setup: Setup) -
 def run_specsplit(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
     """Both specsplit rows on one cloud (target on the cloud's cores, no --dtype: the
     project's default precision), the edge's draft in this process on the other cores."""
-    from specsplit.cloud.process import CloudProcess
+    from specsplit.cloud.supervision.process import CloudProcess
     from specsplit.edge.onnx_drafter import OnnxDrafter
 
     onnx, cores = setup.models["onnx"], setup.cloud_cores
@@ -236,7 +236,12 @@ def run_specsplit(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
 
 def prepare_models() -> dict[str, Path]:
     from specsplit.edge.models import ensure_draft_onnx
-    from specsplit.shared.sources import DRAFT_DEFAULT, TARGET_DEFAULT, ensure_hf_dir, fetch_gguf
+    from specsplit.shared.weights.sources import (
+        DRAFT_DEFAULT,
+        TARGET_DEFAULT,
+        ensure_hf_dir,
+        fetch_gguf,
+    )
 
     return {
         "target_gguf": fetch_gguf(TARGET_DEFAULT),

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.edge.text import TextCodec
     from specsplit.shared.protocol import sparse_to_pb
     from specsplit.shared.sampling import SamplingConfig, logits_to_probs, sample
-    from specsplit.shared.sources import resolve_model
+    from specsplit.shared.weights.sources import resolve_model
 
     cfg = SamplingConfig(temperature=args.temperature)
     draft_dir = ensure_draft_onnx("qwen2.5-coder-0.5b-instruct", "int8")

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.proxy import DelayProxy
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.mode_switch import Link
 from specsplit.shared.sampling import SamplingConfig
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.edge.models import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
-    from specsplit.shared.sources import resolve_model
+    from specsplit.shared.weights.sources import resolve_model
 
     plan = make_plan(args.quick, args.max_new_tokens)
     if args.rtt:

@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.rss import tree_rss
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
 
@@ -188,7 +188,7 @@ def write_report(out: Path, args, tally: Tally, rows, grown, elapsed_s: float, f
 
 
 def models(root: Path):
-    from specsplit.edge.export import export_onnx
+    from specsplit.edge.export.exporter import export_onnx
     from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
     target = make_tiny_qwen2(root / "target", seed=0)

@@ -12,16 +12,16 @@ import signal
 import sys
 from pathlib import Path
 
-from specsplit.cloud.admission import RECLAIM_AFTER_S, Admission
-from specsplit.cloud.gateway import ModelIdentity, start_gateway
+from specsplit.cloud.gateway.admission import RECLAIM_AFTER_S, Admission
+from specsplit.cloud.gateway.limits import GatewayLimits
+from specsplit.cloud.gateway.metrics import serve_metrics
+from specsplit.cloud.gateway.replicas import parse_urls
+from specsplit.cloud.gateway.security import Security, load_tokens
+from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
 from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
-from specsplit.cloud.limits import GatewayLimits
-from specsplit.cloud.metrics import serve_metrics
-from specsplit.cloud.replicas import parse_urls
-from specsplit.cloud.security import Security, load_tokens
-from specsplit.cloud.supervisor import TritonSupervisor
-from specsplit.cloud.triton import TritonError, TritonServer
-from specsplit.shared.sources import TARGET_DEFAULT, SourceError, resolve_model
+from specsplit.cloud.supervision.supervisor import TritonSupervisor
+from specsplit.cloud.supervision.triton import TritonError, TritonServer
+from specsplit.shared.weights.sources import TARGET_DEFAULT, SourceError, resolve_model
 
 log = logging.getLogger("specsplit.cloud")
 DEFAULT_TARGET = TARGET_DEFAULT.name

@@ -1,6 +1,7 @@
 """How the target's KV slots grow and what a position costs, written once for the engine that
-allocates them (``cloud.kv_slots``, inside Triton) and the gateway that budgets them
-(``cloud.admission``), with the budget's default. Plain Python: the gateway never imports torch.
+allocates them (``cloud.engine.kv_slots``, inside Triton) and the gateway that budgets them
+(``cloud.gateway.admission``), with the budget's default. Plain Python: the gateway never imports
+torch.
 
 A slot starts at ``MIN_SLOT`` positions and doubles until what it must hold fits. The largest
 block a session verifies at once is ``MAX_BLOCK`` drafts (Limits.max_draft_tokens).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
-from specsplit.edge.openai_limits import MAX_BODY_BYTES, MAX_WAITING
+from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
@@ -131,8 +131,8 @@ def _serve(args) -> int:
         raise SystemExit(
             "specsplit-edge: --max-waiting must be >= 0, --max-body-bytes >= 1, --send-timeout > 0"
         )
-    from specsplit.edge.openai_app import ServeConfig
-    from specsplit.edge.serve import run_server
+    from specsplit.edge.openai.app import ServeConfig
+    from specsplit.edge.openai.serve import run_server
 
     tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     cfg = ServeConfig(
@@ -160,7 +160,7 @@ def _pull(args) -> int:
 
 
 def _export(args) -> int:
-    from specsplit.edge.export import export_onnx
+    from specsplit.edge.export.exporter import export_onnx
 
     out = export_onnx(
         Path(args.model),

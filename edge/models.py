@@ -12,19 +12,23 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from specsplit.shared.sources import (
+from specsplit.shared.steps import cache_dir, require_extra, spinner
+from specsplit.shared.weights.sources import (
     DRAFT_DEFAULT,
     SOURCES,
     ensure_hf_dir,
     hf_dir_path,
     resolve_model,
 )
-from specsplit.shared.steps import cache_dir, require_extra, spinner
 
 METADATA = "specsplit_draft.json"
 DEFAULT_DRAFT = DRAFT_DEFAULT.name
-PRECISIONS = ("fp32", "int8", "int4")  # edge.export's weight formats (edge.onnx_graph)
-# The graph's I/O contract (edge.onnx_graph), checked by the drafter. 2: the KV cache is one
+PRECISIONS = (
+    "fp32",
+    "int8",
+    "int4",
+)  # edge.export.exporter's weight formats (edge.export.onnx_graph)
+# The graph's I/O contract (edge.export.onnx_graph), checked by the drafter. 2: the KV cache is one
 # buffer per layer written in place (TensorScatter); 1 returned concat(past, new) each step.
 GRAPH_FORMAT = 2
 # int8 (MatMulNBits, as make demo uses): 26.5 ms/token against fp32's 72.7 on one core here, and
@@ -57,7 +61,7 @@ def ensure_draft_onnx(
     require_extra("export", "onnx", *(("rich",) if progress else ()))
     if source:
         hf_dir = ensure_hf_dir(source, progress)  # fetched and converted on first use
-    from specsplit.edge.export import export_onnx  # build step: not on the run-time path
+    from specsplit.edge.export.exporter import export_onnx  # build step: not on the run-time path
 
     with spinner(progress) as bar:
         bar.add_task(f"export {hf_dir.name} to ONNX ({precision})", total=None)

@@ -1,4 +1,5 @@
-"""The edge's draft model: ONNX Runtime over an ``edge.export`` directory, plus its KV cache.
+"""The edge's draft model: ONNX Runtime over an ``edge.export.exporter`` directory, plus its KV
+cache.
 
 Contract: ``OnnxDrafter`` knows token ids, logits and the cache; nothing about tokenization,
 sampling or the protocol. ``cached`` is the token prefix whose keys/values are in the cache.
@@ -7,10 +8,10 @@ logits; ``truncate(n)`` rolls the cache back to ``cached[:n]`` without recomputi
 anything (only the cache's length moves), and is exact: ``truncate(n)`` then ``forward(x)``
 gives the logits of a fresh run over ``cached[:n] + x``.
 
-The cache lives in place (``edge.onnx_graph``'s contract): one buffer per layer and kind, bound
-with IO binding as both the graph's past and present, on the device the graph runs on; a step
-writes only its new positions. A sequence that outgrows the buffers moves them to twice the
-size, copying once, so a short chat never holds a max_positions-sized cache.
+The cache lives in place (``edge.export.onnx_graph``'s contract): one buffer per layer and kind,
+bound with IO binding as both the graph's past and present, on the device the graph runs on; a step
+writes only its new positions. A sequence that outgrows the buffers moves them to twice the size,
+copying once, so a short chat never holds a max_positions-sized cache.
 
 Edge runtime only: onnxruntime + numpy. Never import torch or transformers here.
 """
@@ -29,7 +30,9 @@ from specsplit.edge.models import GRAPH_FORMAT
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = "specsplit_draft.json"  # same name as edge.export writes (not imported: no torch)
+METADATA_FILE = (
+    "specsplit_draft.json"  # same name as edge.export.exporter writes (not imported: no torch)
+)
 SUPPORTED_FORMAT = 1
 INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
 PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt

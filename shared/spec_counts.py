@@ -1,5 +1,5 @@
 """What one Verdict counts for in the spec-decode figures, written once for both sides: the
-gateway's Prometheus counters (cloud.metrics) and the edge's ``GenerationStats``
+gateway's Prometheus counters (cloud.gateway.metrics) and the edge's ``GenerationStats``
 (edge.generation) read every Verdict through ``StepCounts.of``, in every session mode, so the
 two agree exactly.
 

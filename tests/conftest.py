@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.shared.tiny import make_tiny_qwen2
 
 # Servers the tests start serve the target's float path, the one whose greedy output must equal
@@ -27,7 +27,7 @@ class TinyModels:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyModels:
-    from specsplit.edge.export import export_onnx
+    from specsplit.edge.export.exporter import export_onnx
 
     root = tmp_path_factory.mktemp("tiny")
     target = make_tiny_qwen2(root / "target", seed=0)

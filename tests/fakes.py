@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from specsplit.cloud.gateway import ModelIdentity, start_gateway
-from specsplit.cloud.session import ModelLimits
-from specsplit.cloud.triton_client import VerifyReply
+from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
+from specsplit.cloud.gateway.session import ModelLimits
+from specsplit.cloud.gateway.triton_client import VerifyReply
 
 VOCAB = 256
 MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512), "")

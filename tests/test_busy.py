@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.protocol import PROTOCOL_VERSION, RETRY_AFTER_KEY, pb, pb_grpc

@@ -3,7 +3,7 @@ the timing, including a link slow enough to make most drafts stale on arrival.
 
 Greedy: the output equals transformers' greedy output of the target. Sampled: every verification
 mode completes with the requested length (its exactness is the chi-square test in
-tests/cloud/test_cloud_led_distribution.py, which runs the gateway's own draft pool), and in
+tests/cloud/gateway/test_cloud_led_distribution.py, which runs the gateway's own draft pool), and in
 token-only mode the output is the target's own sampled output for the seed, token for token,
 whatever the drafter, the session mode and the link: every token is the cloud's draw with the
 session's shared numbers (shared/coupling.py), which drafts can only match, never change.

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from specsplit.cloud.cli import _parser
-from specsplit.cloud.metrics import GatewayMetrics
-from specsplit.cloud.triton import TRITON_KEEPALIVE_FLAGS, BundledTriton, TritonError
+from specsplit.cloud.gateway.metrics import GatewayMetrics
+from specsplit.cloud.supervision.triton import TRITON_KEEPALIVE_FLAGS, BundledTriton, TritonError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

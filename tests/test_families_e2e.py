@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.export import export_onnx
+from specsplit.edge.export.exporter import export_onnx
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny_families import FAMILIES, make_tiny, stepwise_greedy
 

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from specsplit.cloud.process import CloudProcess
-from specsplit.cloud.triton import free_port
+from specsplit.cloud.supervision.process import CloudProcess
+from specsplit.cloud.supervision.triton import free_port
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny import reference_greedy
-from tests.cloud.test_metrics import samples, scrape, value
+from tests.cloud.gateway.test_metrics import samples, scrape, value
 
 pytestmark = pytest.mark.slow
 MAX_SESSIONS = 4

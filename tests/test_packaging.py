@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.shared.tiny import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_edge_extra_works_without_torch(dist, cloud, tiny, tmp_path):
         "from specsplit import GenerationConfig, OnnxDrafter, SpecsplitError, SplitClient\n"
         "from specsplit import TextCodec\n"
         "import specsplit.edge.cli\n"
-        "import specsplit.edge.openai_app\n"  # serve: FastAPI and uvicorn come with the extra
+        "import specsplit.edge.openai.app\n"  # serve: FastAPI and uvicorn come with the extra
         "absent = ('torch', 'transformers', 'onnx', 'rich')\n"
         "assert not [m for m in absent if importlib.util.find_spec(m)], 'installed'\n"
         "assert not [m for m in absent if m in sys.modules], 'imported'\n"
@@ -113,7 +113,7 @@ def test_cloud_extra_serves_from_the_installed_model_repository(dist, tiny, tmp_
 
     wheel = next(dist.glob("*.whl"))
     bin_dir = venv(tmp_path / "venv", TORCH, f"{wheel}[cloud]")
-    code = "import specsplit.cloud.triton as t; print(t.MODEL_REPOSITORY)"
+    code = "import specsplit.cloud.supervision.triton as t; print(t.MODEL_REPOSITORY)"
     repo = run(bin_dir / "python", "-c", code, cwd=tmp_path).stdout.strip()
     assert (
         repo.startswith(str(tmp_path / "venv")) and Path(repo, "target", "config.pbtxt").is_file()

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from specsplit.cloud.gateway import start_gateway
+from specsplit.cloud.gateway.service import start_gateway
 from specsplit.edge.rounds import _check_pair
 from specsplit.edge.stream import SpecsplitError
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
@@ -115,7 +115,7 @@ def test_the_target_never_emits_a_padding_id(tmp_path):
     padding id (without the tokenizer file the same model picks some)."""
     import torch
 
-    from specsplit.cloud.target import Open, SessionParams, TargetModel, Verify
+    from specsplit.cloud.engine.target import Open, SessionParams, TargetModel, Verify
     from specsplit.shared.acceptance import VerificationMode
     from specsplit.shared.sampling import SamplingConfig
     from specsplit.shared.tiny import make_tiny_qwen2
@@ -140,7 +140,7 @@ def test_the_target_never_emits_a_padding_id(tmp_path):
 
 
 def test_the_draft_never_proposes_a_padding_id(tmp_path):
-    from specsplit.edge.export import export_onnx
+    from specsplit.edge.export.exporter import export_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.shared.tiny import make_tiny_qwen2
 

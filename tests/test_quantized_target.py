@@ -10,8 +10,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from specsplit.cloud import cpu_kernels
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.engine import cpu_kernels
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
 

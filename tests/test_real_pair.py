@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.shared.sources import DRAFT_DEFAULT, TARGET_DEFAULT
+from specsplit.shared.weights.sources import DRAFT_DEFAULT, TARGET_DEFAULT
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodels]
 EDGE = str(Path(sys.executable).parent / "specsplit-edge")
@@ -34,7 +34,7 @@ N_NEW = 24
 @pytest.fixture(scope="module")
 def pair():
     from specsplit.edge.models import ensure_draft_onnx
-    from specsplit.shared.sources import resolve_model
+    from specsplit.shared.weights.sources import resolve_model
 
     return resolve_model(TARGET_DEFAULT.name), ensure_draft_onnx(DRAFT_DEFAULT.name, "int8")
 

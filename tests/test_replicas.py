@@ -12,7 +12,7 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 
-from specsplit.cloud.process import CloudProcess
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny import reference_greedy

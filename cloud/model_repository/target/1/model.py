@@ -1,4 +1,4 @@
-"""Triton Python backend shell over specsplit.cloud.target: gather -> compute -> scatter.
+"""Triton Python backend shell over specsplit.cloud.engine.target: gather -> compute -> scatter.
 
 Requests go to ``cloud.engine.BatchEngine``, which serves all that are waiting with one
 ``TargetModel.run`` (one forward pass for every verification block and cloud-only step) and
@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specsplit.cloud.engine import BatchEngine
-from specsplit.cloud.target import (
+from specsplit.cloud.engine.batch import BatchEngine
+from specsplit.cloud.engine.target import (
     Close,
     Open,
     PassInfo,
@@ -156,7 +156,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         # gather -> the engine thread batches across execute() calls -> each request's response
-        # sender answers it (cloud.engine explains why Triton's own batches are not enough)
+        # sender answers it (cloud.engine.batch explains why Triton's own batches are not enough)
         items = []
         for request in requests:
             sender = request.get_response_sender()

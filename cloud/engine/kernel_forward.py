@@ -1,0 +1,190 @@
+"""The ragged forward pass on our CPU kernels: quantised weights, batch-invariant rows.
+
+Same contract as ``cloud.ragged.RaggedForward`` (segments in, logits per segment out, KV slots
+with rollback by length), for the same Llama-style decoders, with:
+- the projections in int8/int4 (``cloud.engine.quantized``), the ones that read one input fused
+  (q/k/v, gate/up), the LM head in int8;
+- activations quantised to int8 per 32 values once per input, shared by the fused matmul;
+- one attention call per layer for every segment of the pass (``cpu_kernels.attention``);
+- RMSNorm fused into the quantisation of its output, the rotary embedding in place on the
+  fused q/k/v output (both our kernels), the activation function in float32 torch.
+
+Every op is row-wise: a row's logits depend on its own token and its own session's cache only,
+never on how many rows or sessions share the pass (tests/cloud/engine/test_kernel_forward.py
+proves it bit for bit), so a verify block and one-token steps agree exactly in any precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from specsplit.cloud.engine import cpu_kernels as kernels
+from specsplit.cloud.engine import decoder, quant_cache
+from specsplit.cloud.engine.decoder import check_supported
+from specsplit.cloud.engine.huge_pages import copy_into_huge_pages
+from specsplit.cloud.engine.kv_slots import KVSlots
+from specsplit.cloud.engine.quantized import QuantLinear, choose_bits, layer_projections
+from specsplit.cloud.engine.ragged import Segment, logits_rows
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = ("int8", "int4")
+
+
+def _groups(layer) -> dict[str, tuple[str, ...]]:
+    """Fused linear -> the projections it reads (a family's own fused ones, Phi-3's, as is)."""
+    names = decoder.projections(layer)
+    return {"qkv": names.qkv, "o": ("o_proj",), "gate_up": names.gate_up, "down": ("down_proj",)}
+
+
+def quantize_layer(layer, weights: str, four_bit: bool) -> dict[str, QuantLinear]:
+    names = decoder.projections(layer).all
+    bits = dict(zip(names, choose_bits(layer_projections(layer), weights, four_bit), strict=True))
+    out = {}
+    for fused, members in _groups(layer).items():
+        linears = [decoder.projection(layer, n) for n in members]
+        out[fused] = QuantLinear.quantize(linears, [bits[n] for n in members], four_bit)
+    return out
+
+
+def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
+    """Puts the linears' weights in the kernel's layout, in one huge-page mapping
+    (``cloud.engine.huge_pages``), one linear at a time (peak memory: the packed copies + one)."""
+    for lin in linears:
+        lin.pack()
+    tensors = [t for lin in linears for w in lin.kernel_parts for t in w.tensors]
+    moved = iter(copy_into_huge_pages(tensors))
+    for lin in linears:
+        lin.kernel_parts = [
+            dataclasses.replace(w, tensors=tuple(next(moved) for _ in w.tensors))
+            for w in lin.kernel_parts
+        ]
+
+
+def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """An RMSNorm of float32 rows (over the last dim) in torch, where no matmul follows."""
+    weight, eps = norm
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class _Layer:
+    def __init__(self, layer, linears: dict[str, QuantLinear], config):
+        self.qkv, self.o = linears["qkv"], linears["o"]
+        self.gate_up, self.down = linears["gate_up"], linears["down"]
+        norms = decoder.norms(layer)
+        params = lambda m: None if m is None else decoder.rms_norm_params(m, config)  # noqa: E731
+        self.input_norm, self.post_attn_norm = params(norms.pre_attn), params(norms.post_attn)
+        self.pre_mlp_norm, self.post_mlp_norm = params(norms.pre_mlp), params(norms.post_mlp)
+        qk = decoder.qk_norms(layer)
+        self.qk_norms = None if qk is None else (params(qk[0]), params(qk[1]))
+        self.act = decoder.mlp_activation(layer)
+        for members in _groups(layer).values():  # the float weights are no longer needed
+            for name in members:
+                module = layer.self_attn if name in decoder.ATTENTION_PROJECTIONS else layer.mlp
+                setattr(module, name, None)
+
+    @property
+    def linears(self) -> list[QuantLinear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
+
+class KernelForward:
+    def __init__(
+        self, model: torch.nn.Module, weights: str, four_bit: bool = False, cache_key: str = ""
+    ):
+        """``four_bit``: the model's projections already sit on 4-bit grids (``int4`` then
+        keeps the others in int8; ``cloud.quantized.four_bit_source``). ``cache_key``: where the
+        quantised weights are kept between loads (``cloud.engine.quant_cache``); empty: not kept."""
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        self.config = config = model.config
+        check_supported(config)
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = decoder.head_dim(config)
+        if self.head_dim % 16 or self.head_dim > kernels.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {self.head_dim} does not suit the CPU kernels")
+        self.specs = decoder.layer_specs(config)
+        self.final_softcap = decoder.final_softcap(config)
+        inner = model.model
+        state = quant_cache.load(cache_key) if cache_key else None
+        if state is None:
+            layers = [quantize_layer(layer, weights, four_bit) for layer in inner.layers]
+            lm_head = QuantLinear.quantize([model.lm_head], [8])
+            if cache_key:
+                quant_cache.save(cache_key, layers, lm_head)
+        else:
+            layers, lm_head = state
+        self.layers = [
+            _Layer(layer, q, config) for layer, q in zip(inner.layers, layers, strict=True)
+        ]
+        self.lm_head = lm_head
+        _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
+        self.embed = inner.embed_tokens
+        self.norm = decoder.rms_norm_params(inner.norm, config)
+        self.rotary = decoder.Rotary(inner.float(), config)
+        linears = [lin for layer in self.layers for lin in layer.linears]
+        self.bytes = sum(lin.nbytes for lin in linears) + self.lm_head.nbytes
+        parts = [bits for lin in linears for bits in lin.bits]
+        log.info(
+            "%s weights on the %s kernels: %d matmuls in int4, %d in int8 (4-bit source: %s), "
+            "LM head int8, %.0f MB read per pass",
+            weights,
+            kernels.backend(),
+            parts.count(4),
+            parts.count(8),
+            four_bit,
+            self.bytes / 1e6,
+        )
+        self.slots = KVSlots(
+            len(self.layers), self.kv_heads, self.head_dim, torch.float32, torch.device("cpu")
+        )
+
+    @torch.inference_mode()
+    def __call__(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+        starts = [seg.slot.length for seg in segments]
+        lengths = [len(seg.tokens) for seg in segments]
+        for seg, start, n in zip(segments, starts, lengths, strict=True):
+            self.slots.reserve(seg.slot, start + n)
+        ids = torch.tensor([t for seg in segments for t in seg.tokens])
+        positions = [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+        x = self.embed(ids).float()  # [R, hidden] (Gemma's module scales it)
+        tables = {
+            key: (cos.float().contiguous(), sin.float().contiguous())  # [R, rotary dims]
+            for key, (cos, sin) in self.rotary.tables(x, positions).items()
+        }
+        batch = kernels.RaggedBatch([seg.slot.kv for seg in segments], starts, lengths)
+        for li, layer in enumerate(self.layers):
+            x = self._layer(li, layer, x, tables, batch)
+        for seg, start, n in zip(segments, starts, lengths, strict=True):
+            seg.slot.length = start + n
+        return logits_rows(x, segments, self._head)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(kernels.QuantizedRows(h, self.norm))
+        return decoder.soft_cap(logits, self.final_softcap)
+
+    def _layer(self, li: int, layer: _Layer, x, tables, batch) -> torch.Tensor:
+        spec, rows, hd = self.specs[li], x.shape[0], self.head_dim
+        q_width, kv_width = self.heads * hd, self.kv_heads * hd
+        qkv = layer.qkv(kernels.QuantizedRows(x, layer.input_norm)).contiguous()
+        if layer.qk_norms is not None:  # Qwen3, Gemma 3: per head, before the rotation
+            heads = self.heads + self.kv_heads
+            qk = qkv[:, : heads * hd].view(rows, heads, hd)
+            qk[:, : self.heads] = _rms(qk[:, : self.heads], layer.qk_norms[0])
+            qk[:, self.heads :] = _rms(qk[:, self.heads :], layer.qk_norms[1])
+        cos, sin = tables[spec.rope]
+        kernels.rope(qkv, self.heads + self.kv_heads, hd, cos, sin)  # q's and k's heads
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q = q.reshape(rows, self.heads, hd)
+        k, v = k.reshape(rows, self.kv_heads, hd), v.reshape(rows, self.kv_heads, hd)
+        attn = kernels.attention(q, k, v, batch, li, spec.scale, spec.window, spec.softcap)
+        out = layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
+        x = x + (out if layer.post_attn_norm is None else _rms(out, layer.post_attn_norm))
+        gate, up = layer.gate_up(kernels.QuantizedRows(x, layer.pre_mlp_norm)).chunk(2, dim=-1)
+        out = layer.down(kernels.QuantizedRows(layer.act(gate) * up))
+        return x + (out if layer.post_mlp_norm is None else _rms(out, layer.post_mlp_norm))

@@ -1,0 +1,132 @@
+"""How the target's weights are served: the format (``--weights``) and float dtype (``--dtype``).
+
+- ``float``: the model's own modules in torch, in ``dtype`` (float32 on CPU, with oneDNN-packed
+  linears; bfloat16 on GPU by default). The reference; equal to transformers.
+- ``int8`` / ``int4``: weight-only quantised projections on our batch-invariant CPU kernels
+  (``cloud.engine.kernel_forward``); ``int4`` keeps a 4-bit source's 4-bit tensors on their own
+  groups and its finer ones in int8 (``cloud.engine.quantized``).
+- ``auto``: on a GPU, ``float``; on a CPU, a calibration at load times one layer's MLP in every
+  candidate this machine can run, at one row (a cloud-only step) and at nine (a verify block),
+  and keeps the fastest; the table and the choice are logged. The quantised candidate is int4
+  for a 4-bit source and int8 otherwise (auto never serves a float model in 4 bits).
+An explicit ``--dtype`` other than auto asks for the float path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS = ("auto", "float", "int8", "int4")
+CALIBRATION_ROWS = (1, 9)
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU, bfloat16 on GPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def check_weights(name: str) -> str:
+    if name not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {name!r}")
+    return name
+
+
+def _best_ms(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _mlp_timer(fmt: str, hidden: int, intermediate: int):
+    """A function rows -> ms for one layer's MLP projections (gate/up fused, down) in ``fmt``."""
+    torch.manual_seed(0)
+    up = torch.randn(2 * intermediate, hidden) * 0.02
+    down = torch.randn(hidden, intermediate) * 0.02
+    if fmt in ("int8", "int4"):
+        from specsplit.cloud.engine import cpu_kernels as kernels
+        from specsplit.cloud.engine.quantized import quantize_int4, quantize_int8
+
+        quantize, bits = (quantize_int8, 8) if fmt == "int8" else (quantize_int4, 4)
+        wu, wd = kernels.pack(bits, quantize(up)), kernels.pack(bits, quantize(down))
+
+        def run(x):
+            h = kernels.gemm(kernels.QuantizedRows(x), wu)[:, :intermediate]
+            return kernels.gemm(kernels.QuantizedRows(h.contiguous()), wd)
+
+    else:
+        from specsplit.cloud.engine.packed_linear import PackedLinear
+
+        dtype = DTYPES[fmt]
+        lin_up = torch.nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
+        lin_down = torch.nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        lin_up.weight.data, lin_down.weight.data = up.to(dtype), down.to(dtype)
+        if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            lin_up, lin_down = PackedLinear(lin_up), PackedLinear(lin_down)
+
+        def run(x):
+            return lin_down(lin_up(x.to(dtype))[:, :intermediate])
+
+    def timed(rows: int) -> float:
+        x = torch.randn(rows, hidden)
+        with torch.inference_mode():
+            return _best_ms(lambda: run(x))
+
+    return timed
+
+
+def calibrate(config, quantized: str | None) -> dict[str, dict[int, float]]:
+    """ms of one layer's MLP by format and rows, for each candidate on this CPU."""
+    candidates = ["float32", "bfloat16", *([quantized] if quantized else [])]
+    table = {}
+    for fmt in candidates:
+        timed = _mlp_timer(fmt, config.hidden_size, config.intermediate_size)
+        table[fmt] = {rows: timed(rows) for rows in CALIBRATION_ROWS}
+    return table
+
+
+def choose(
+    weights: str, dtype: str, device: torch.device, config, four_bit: bool
+) -> tuple[str, torch.dtype]:
+    """(format, float dtype): ``float`` with the dtype to run in, or ``int8``/``int4`` (whose
+    activations are float32). Calibrates when both are auto on a CPU."""
+    check_weights(weights)
+    if weights != "auto":
+        if weights != "float" and device.type != "cpu":
+            raise ValueError(f"--weights {weights} runs on CPU kernels; on {device} use float")
+        return weights, torch.float32 if weights != "float" else resolve_dtype(dtype, device)
+    if dtype != "auto" or device.type != "cpu":
+        return "float", resolve_dtype(dtype, device)
+    from specsplit.cloud.engine import cpu_kernels
+
+    fit = cpu_kernels.available() and cpu_kernels.fits(config)
+    quantized = ("int4" if four_bit else "int8") if fit else None
+    table = calibrate(config, quantized)
+    best = min(table, key=lambda fmt: sum(table[fmt].values()))
+    log.info(
+        "target weights by calibration (one layer's MLP, ms at %s rows): %s -> %s",
+        "/".join(map(str, CALIBRATION_ROWS)),
+        {fmt: [round(ms, 2) for ms in by_rows.values()] for fmt, by_rows in table.items()},
+        best,
+    )
+    return ("float", DTYPES[best]) if best in DTYPES else (best, torch.float32)

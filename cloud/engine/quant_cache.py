@@ -1,0 +1,94 @@
+"""Quantised target weights kept on disk, so a restart loads them in seconds, not minutes.
+
+Quantising the 1.5B target (finding each 4-bit group's own grid) takes about a minute on one
+core; every Triton start (tests, a supervisor's restart, a replica) would pay it. The result is
+stored under ``cache_dir()/quantized/<key>.pt`` and loaded with mmap, in the natural layout
+(``cloud.engine.kernel_layouts``): whichever kernel the CPU runs packs it at load. The key covers
+everything the result depends on: the model's weight files (name, size, mtime), the format, and
+the source of the quantiser (``cloud.engine.quantized``); a changed file or quantiser makes a new
+entry. A change to the kernels or their layouts alone keeps the entry.
+An entry is ~1.2 GB for the 1.5B target, so saving one removes the older entries of the same
+model directory and format (the key's first part), which no load can ask for again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specsplit.cloud.engine import quantized
+from specsplit.shared.steps import cache_dir, locked
+
+log = logging.getLogger(__name__)
+
+
+def key(model_dir: str | Path, weights: str, four_bit: bool) -> str:
+    """``<model dir and format>-<weight files and quantiser>``: the first part names the slot
+    a newer entry replaces."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in model_dir.iterdir()
+        if p.suffix in (".safetensors", ".bin", ".json")
+    )
+    slot = hashlib.sha256(json.dumps([str(model_dir), weights, four_bit]).encode()).hexdigest()
+    quantiser = Path(quantized.__file__).read_bytes()
+    facts = hashlib.sha256(json.dumps(files).encode() + quantiser).hexdigest()
+    return f"{slot[:12]}-{facts[:12]}"
+
+
+def _path(cache_key: str) -> Path:
+    return cache_dir() / "quantized" / f"{cache_key}.pt"
+
+
+def load(cache_key: str):
+    """(layers, lm_head) as ``save`` stored them, or None."""
+    path = _path(cache_key)
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, mmap=True, weights_only=True)
+    except Exception as e:  # a torn or foreign file: quantise again
+        log.warning("ignoring the quantised weights at %s: %s", path, e)
+        return None
+    log.info("quantised weights from %s", path)
+    layers = [
+        {name: quantized.QuantLinear.from_state(s) for name, s in layer.items()}
+        for layer in state["layers"]
+    ]
+    return layers, quantized.QuantLinear.from_state(state["lm_head"])
+
+
+def save(cache_key: str, layers, lm_head) -> None:
+    path = _path(cache_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "layers": [{name: lin.state() for name, lin in layer.items()} for layer in layers],
+        "lm_head": lm_head.state(),
+    }
+    with locked(f"quantized-{cache_key}"):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    log.info("kept the quantised weights at %s", path)
+    _drop_older(path)
+
+
+def _drop_older(path: Path) -> None:
+    """Removes the other entries of ``path``'s slot (same model directory and format)."""
+    slot = path.stem.split("-", 1)[0]
+    for old in path.parent.glob(f"{slot}-*.pt"):
+        if old != path:
+            old.unlink(missing_ok=True)
+            log.info("removed the outdated quantised weights at %s", old)

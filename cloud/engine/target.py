@@ -1,0 +1,394 @@
+"""The target model's side of a round, for many sessions at once: prefill, verify, roll back.
+
+Plain Python + torch, so it is unit-testable without Triton; ``model_repository/target/1/model.py``
+is a thin shell over this. Knows nothing of gRPC or of stop conditions (the gateway owns those).
+
+``TargetModel.run`` takes every request of one Triton ``execute()`` (opens, verification blocks of
+any k, cloud-only steps with k = 0, ends) and serves all verification rows in ONE forward pass
+(``cloud.engine.ragged``); prefills ride along in chunks of ``PREFILL_CHUNK`` tokens, so only a
+prompt longer than that adds passes.
+
+Cache invariant: after every call, a session's KV slot holds exactly ``committed[:-1]``, i.e.
+``cache_len == committed_len - 1``. A verify request therefore feeds the last committed token
+followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
+from specsplit.cloud.engine.kv_slots import Slot
+from specsplit.cloud.engine.precision import check_weights, pick_device
+from specsplit.cloud.engine.ragged import RaggedForward, Segment
+from specsplit.cloud.kv_growth import MAX_BLOCK
+from specsplit.shared.acceptance import (
+    RoundResult,
+    VerificationMode,
+    verify_greedy,
+    verify_rejection,
+    verify_token_only,
+)
+from specsplit.shared.coupling import SharedNoise
+from specsplit.shared.sampling import SamplingConfig, SparseDist, logits_to_probs
+from specsplit.shared.seeding import round_rng
+from specsplit.shared.tokenizer_fingerprint import token_count
+
+log = logging.getLogger(__name__)
+
+
+class SessionNotFound(KeyError):
+    """The session is unknown here (never started, ended, evicted, or the server restarted)."""
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    sampling: SamplingConfig
+    mode: VerificationMode
+    seed: int = 0
+    speculative: bool = True  # False: a cloud-only session (k = 0 every step)
+
+
+@dataclass(frozen=True)
+class Verified:
+    result: RoundResult
+    verify_ms: float  # the forward pass that served it + its acceptance
+
+
+@dataclass
+class _Sequence:
+    params: SessionParams
+    slot: Slot
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def cache_len(self) -> int:
+        return self.slot.length
+
+
+@dataclass(frozen=True)
+class Open:
+    """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``."""
+
+    sid: int
+    prompt: Sequence[int]
+    params: SessionParams
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Verifies ``tokens`` = [last committed token, d_1..d_k] at ``base_len`` (k = 0: one
+    cloud-only step); ``end`` frees the session afterwards."""
+
+    sid: int
+    base_len: int
+    tokens: Sequence[int]
+    q: Sequence[SparseDist] | None = None  # [k] for REJECTION
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class Close:
+    sid: int
+
+
+Request = Open | Verify | Close
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    """The forward pass that served a batch: what Triton formed, and the hint it led to."""
+
+    rows: int = 0
+    sessions: int = 0
+    ms: float = 0.0
+    block_hint: int = 0
+
+
+PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory for long prompts
+
+
+def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
+    """(forward, format, float dtype) for the model at ``model_dir``
+    (``cloud.engine.precision``)."""
+    from transformers import AutoModelForCausalLM
+
+    from specsplit.cloud.engine.precision import choose
+
+    check_weights(weights)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    four_bit = False
+    if weights in ("auto", "int4") and device.type == "cpu":
+        from specsplit.cloud.engine.quantized import four_bit_source, projections
+
+        four_bit = four_bit_source(projections(model))
+    fmt, torch_dtype = choose(weights, dtype, device, model.config, four_bit)
+    if fmt != "float":
+        from specsplit.cloud.engine import quant_cache
+        from specsplit.cloud.engine.kernel_forward import KernelForward
+
+        cache_key = quant_cache.key(model_dir, fmt, four_bit)
+        return KernelForward(model, fmt, four_bit, cache_key), fmt, torch_dtype
+    model = model.to(device=device, dtype=torch_dtype)
+    if device.type == "cpu" and torch_dtype == torch.float32 and packed_linear:
+        from specsplit.cloud.engine.packed_linear import pack_linears
+
+        log.info("packed %d linear layers for oneDNN", pack_linears(model))
+    return RaggedForward(model), fmt, torch_dtype
+
+
+class TargetModel:
+    """A causal LM serving many sessions, each with its own KV slot, batched per ``run``."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | None = None,
+        threads: int | None = None,
+        dtype: str = "auto",
+        packed_linear: bool = True,
+        calibrate: bool = True,
+        weights: str = "auto",
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = pick_device(device)
+        self.forward, self.weights, dtype = _load(
+            model_dir, self.device, weights, dtype, packed_linear
+        )
+        self.config = self.forward.config
+        self.model = getattr(self.forward, "model", None)  # the torch model (float path only)
+        self.vocab_size = int(self.config.vocab_size)
+        # Ids past the tokenizer's are a model's padding rows (no text maps to them): the
+        # target never emits one, so a draft padded differently never meets one either.
+        tokenizer = Path(model_dir) / "tokenizer.json"
+        self.token_count = token_count(tokenizer) if tokenizer.exists() else self.vocab_size
+        self.sessions: dict[int, _Sequence] = {}
+        self.forward_passes = 0
+        self.cost = CostModel()
+        self.acceptance = Acceptance()
+        self.last_pass = PassInfo(block_hint=MAX_BLOCK)
+        if calibrate:
+            self.cost.calibrate(self._timed_pass)
+            log.info(
+                "forward cost by rows (ms): %s", {r: round(m, 1) for r, m in self.cost.ms.items()}
+            )
+        log.info(
+            "target %s on %s (%s weights, %s), vocab %d",
+            model_dir,
+            self.device,
+            self.weights,
+            dtype,
+            self.vocab_size,
+        )
+
+    # -- single-request conveniences (tests, tools) -------------------------------------------
+
+    def start(self, sid: int, prompt: Sequence[int], params: SessionParams) -> None:
+        self._one(Open(sid, prompt, params))
+
+    def verify(self, sid, base_len, tokens, q=None) -> RoundResult:
+        return self._one(Verify(sid, base_len, tokens, q)).result
+
+    def end(self, sid: int) -> bool:
+        session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.forward.slots.free(sid)
+        return session is not None
+
+    def _one(self, request: Request):
+        [outcome], _ = self.run([request])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    # -- the batch ------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[Request]) -> tuple[list, PassInfo]:
+        """Serves one batch; returns an outcome per request (Verified for Verify, None for
+        Open/Close, or the exception that request failed with) and the first pass's info.
+        A session appearing twice is served in order, in a second group."""
+        outcomes: list = []
+        info: PassInfo | None = None
+        group: list[Request] = []
+        for request in [*requests, None]:
+            if request is None or any(r.sid == request.sid for r in group):
+                out, group_info = self._run_group(group)
+                outcomes += out
+                info = info or group_info
+                group = []
+            if request is not None:
+                group.append(request)
+        return outcomes, info or self.last_pass
+
+    def _run_group(self, requests: Sequence[Request]) -> tuple[list, PassInfo | None]:
+        outcomes: list = [None] * len(requests)
+        verifies: list[tuple[int, Verify, _Sequence]] = []
+        prefills: list[tuple[int, _Sequence, list[int]]] = []
+        for i, req in enumerate(requests):
+            try:
+                if isinstance(req, Close):
+                    self.end(req.sid)
+                elif isinstance(req, Open):
+                    prefills.append((i, *self._open(req)))
+                else:
+                    verifies.append((i, req, self._checked(req)))
+            except Exception as e:
+                outcomes[i] = e
+        info = None
+        first = True
+        while first or any(todo for _, _, todo in prefills):
+            segments, owners = self._plan(verifies if first else [], prefills)
+            if not segments:
+                break
+            t0 = time.perf_counter()
+            try:
+                logits = self.forward(segments)
+            except Exception as e:
+                log.warning("forward pass failed: %s", e)
+                for i in owners:
+                    outcomes[i] = e
+                    if isinstance(requests[i], Open):
+                        self.end(requests[i].sid)
+                prefills = [p for p in prefills if p[0] not in owners]
+                verifies = [] if first else verifies
+                first = False
+                continue
+            ms = (time.perf_counter() - t0) * 1e3
+            self.forward_passes += 1
+            if first:
+                info = self._after_pass(segments, verifies, prefills, ms)
+                for (i, req, session), lg in zip(verifies, logits, strict=False):
+                    outcomes[i] = self._finish(req, session, lg, ms)
+            first = False
+        return outcomes, info
+
+    def _plan(self, verifies, prefills) -> tuple[list[Segment], set[int]]:
+        segments, owners = [], set()
+        for i, req, session in verifies:
+            segments.append(Segment(session.slot, req.tokens, want_logits=True))
+            owners.add(i)
+        budget = PREFILL_CHUNK
+        for i, session, todo in prefills:
+            if todo and budget > 0:
+                chunk = todo[:budget]
+                del todo[: len(chunk)]
+                budget -= len(chunk)
+                segments.append(Segment(session.slot, chunk, want_logits=False))
+                owners.add(i)
+        return segments, owners
+
+    def _after_pass(self, segments, verifies, prefills, ms: float) -> PassInfo:
+        rows = sum(len(s.tokens) for s in segments)
+        if verifies:
+            self.cost.observe(rows, ms)
+        spec = [req for _, req, s in verifies if s.params.speculative]
+        spec_rows = sum(len(req.tokens) for req in spec)
+        if spec and spec_rows == len(spec) and self.last_pass.block_hint == 0:
+            self.acceptance.idle()  # no drafts because the hint forbade them (Acceptance.idle)
+        other = [req for _, req, s in verifies if not s.params.speculative]
+        # The next pass's other rows: cloud-only steps recur, prefills do not. Counted as fixed
+        # rows, a prefill made drafts look nearly free beside it and the pass's hint jumped
+        # (45 prompt rows beside 8 sessions: 7 instead of 1, on a compute-bound CPU target).
+        hint = block_hint(
+            self.cost,
+            spec_sessions=len(spec),
+            other_rows=sum(len(req.tokens) for req in other),
+            other_tokens=len(other),
+            alpha=self.acceptance.rate,
+            k_max=MAX_BLOCK,
+        )
+        self.last_pass = PassInfo(rows, len(segments), ms, hint)
+        return self.last_pass
+
+    def _finish(self, req: Verify, session: _Sequence, logits, pass_ms: float):
+        t0 = time.perf_counter()
+        drafts = list(req.tokens[1:])
+        try:
+            result = self._accept(session.params, req.base_len, logits, drafts, req.q)
+        except Exception as e:
+            session.slot.length = req.base_len - 1  # a failed round leaves the session as it was
+            return e
+        # Keep committed[:-1]: the old cache, the last committed token and the accepted drafts.
+        session.slot.length = req.base_len + result.accepted
+        session.last_used = time.monotonic()
+        if session.params.speculative and drafts:
+            self.acceptance.observe(result.accepted, len(drafts))
+        if req.end:
+            self.end(req.sid)
+        return Verified(result, pass_ms + (time.perf_counter() - t0) * 1e3)
+
+    def _open(self, req: Open) -> tuple[_Sequence, list[int]]:
+        if not req.prompt:
+            raise ValueError("prompt must hold at least one token")
+        self._check_ids(req.prompt)
+        self.end(req.sid)
+        session = _Sequence(params=req.params, slot=self.forward.slots.open(req.sid))
+        self.sessions[req.sid] = session
+        return session, list(req.prompt[:-1])
+
+    def _checked(self, req: Verify) -> _Sequence:
+        session = self._get(req.sid)
+        if req.base_len != session.cache_len + 1:
+            raise ValueError(f"base_len {req.base_len} != committed_len {session.cache_len + 1}")
+        if not req.tokens:
+            raise ValueError("tokens must hold the last committed token")
+        self._check_ids(req.tokens)
+        k = len(req.tokens) - 1
+        if session.params.mode is VerificationMode.REJECTION and len(req.q or ()) != k:
+            raise ValueError(f"rejection mode needs q for each of the {k} drafts")
+        return session
+
+    def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
+        if self.token_count < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, self.token_count :] = float("-inf")
+        if params.mode is VerificationMode.GREEDY:
+            return verify_greedy(logits.argmax(dim=-1).cpu().numpy(), drafts)
+        p = logits_to_probs(logits.float().cpu().numpy(), params.sampling)  # [k + 1, V]
+        rng = round_rng(params.seed, "verify", base_len)
+        # Draws no draft decides share their numbers with the edge's drafting at that position.
+        noise = SharedNoise(params.seed, p.shape[-1])
+        draw = lambda i, probs: noise.draw(base_len + i, probs)  # noqa: E731
+        if params.mode is VerificationMode.REJECTION:
+            return verify_rejection(p, drafts, q or [], rng, draw)
+        return verify_token_only(p, drafts, rng, draw)
+
+    def _timed_pass(self, rows: int) -> float:
+        scratch = -1  # never a Triton correlation id (those are unsigned)
+        slot = self.forward.slots.open(scratch)
+        try:
+            t0 = time.perf_counter()
+            self.forward([Segment(slot, [0] * rows, want_logits=True)])
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            self.forward.slots.free(scratch)
+
+    def evict_idle(self, max_idle_s: float) -> list[int]:
+        now = time.monotonic()
+        stale = [sid for sid, s in self.sessions.items() if now - s.last_used > max_idle_s]
+        for sid in stale:
+            self.end(sid)
+        return stale
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.forward.slots.bytes_held
+
+    def _get(self, sid: int) -> _Sequence:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise SessionNotFound(f"unknown session {sid}") from None
+
+    def _check_ids(self, tokens: Sequence[int]) -> None:
+        arr = np.asarray(tokens)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"token id outside the vocabulary [0, {self.vocab_size})")

@@ -1,0 +1,196 @@
+"""Cloud-led sessions (session mode CLOUD_LED, DESIGN §7): the target never waits for the
+network.
+
+The target steps continuously, as in cloud-only. A reader task takes Drafts as they arrive into
+a small pool; before every step the most recently received Draft consistent with the committed
+prefix lends its tokens beyond committed_len to that step's forward pass, which verifies them
+with the session's rule. Stale Drafts are dropped and counted, never an error.
+
+Why it is lossless: each step is one round of speculative sampling at committed_len c (k = 0
+when no Draft fits), whose output follows p exactly for any k and any proposal, provided every
+verified token was sampled from the q sent with it, with randomness independent of the step's.
+The edge's randomness is its own stream (keyed by position, and a position is verified at most
+once: afterwards it is committed); the step's randomness is keyed by (seed, c) as in lock-step,
+and c grows strictly from step to step, so every step draws fresh numbers whether or not a Draft
+came. Which Draft is picked depends only on timing and on tokens before c, never on the numbers
+the step draws. The consistency check is what makes drafts worth verifying (tokens drafted after
+another prefix are rarely accepted); correctness does not depend on it.
+
+The tokens a step draws with no draft deciding them (k = 0, or the bonus) use the session's
+shared numbers at their position (shared/coupling.py), the ones the edge drew its speculation
+for that position with. Those numbers feed no accept test, and the history before a position
+does not depend on them, so each such draw is still exactly p; but it often equals the edge's
+token there, so the edge's Drafts after it stay consistent at T > 0 (with independent numbers
+they agreed with probability sum p*q, below one half on prose at T = 0.7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from specsplit.cloud.gateway.messages import next_draft
+from specsplit.cloud.gateway.round import Round
+from specsplit.cloud.gateway.session import Code, Finish, ProtocolError
+from specsplit.shared.protocol import pb
+from specsplit.shared.sampling import SparseDist
+
+POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
+
+
+def reads_per_step(max_draft_tokens: int) -> int:
+    """Drafts read between two target steps, at most. An edge sends one message per drafted
+    token and may reach max_draft_tokens past committed_len (Draft.continues), plus a restart
+    after a Verdict: twice that leaves it room. More cannot be verified before the next step,
+    so they wait in the client under gRPC flow control instead of costing the gateway's loop a
+    decode and a check each, at whatever rate a client can send."""
+    return 2 * (max_draft_tokens + 1)
+
+
+@dataclass(eq=False)  # compared by identity: two Drafts with equal fields are two Drafts
+class PendingDraft:
+    round: int
+    base_len: int
+    tokens: list[int]
+    q: list[SparseDist] | None
+    used: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.base_len + len(self.tokens)
+
+    def offset(self, committed: list[int]) -> int | None:
+        """How many of its tokens are already committed, None when it is inconsistent."""
+        off = len(committed) - self.base_len
+        if not 0 <= off < len(self.tokens):
+            return None
+        return off if self.tokens[:off] == committed[self.base_len :] else None
+
+
+class DraftPool:
+    def __init__(self) -> None:
+        self.drafts: deque[PendingDraft] = deque()
+        self.dropped = 0  # removed without ever being verified
+        self.used = 0
+        self.last: PendingDraft | None = None  # the Draft the previous message went into
+
+    def add(self, draft: PendingDraft, continues: bool = False, committed_len: int = 0) -> None:
+        """A new Draft; a continuation (Draft.continues) extends the previous Draft instead,
+        while that one is still held and ends where the continuation starts."""
+        if continues:
+            parent = self.last
+            if parent is not None and parent.end == draft.base_len and parent in self.drafts:
+                parent.tokens += draft.tokens
+                if parent.q is not None and draft.q is not None:
+                    parent.q += draft.q
+                parent.round = draft.round
+                return
+            if draft.base_len > committed_len:  # its start is unknown here: nothing to verify
+                self.dropped += 1
+                self.last = None
+                return
+        self.last = draft
+        self.drafts.append(draft)
+        if len(self.drafts) > POOL:
+            self._drop(self.drafts.popleft())
+
+    def _drop(self, draft: PendingDraft) -> None:
+        self.dropped += not draft.used
+
+    def take(self, committed: list[int], limit: int) -> tuple[PendingDraft | None, list, list]:
+        """The freshest consistent Draft and its next ``limit`` tokens (and q) after
+        committed_len; stale Drafts leave the pool."""
+        best, keep = None, deque()
+        for draft in self.drafts:  # oldest first: the last consistent one is the freshest
+            if draft.offset(committed) is None:
+                self._drop(draft)
+            else:
+                keep.append(draft)
+                best = draft
+        self.drafts = keep
+        if best is None or limit <= 0:
+            return None, [], []
+        self.used += not best.used
+        best.used = True
+        off = best.offset(committed)
+        tokens = best.tokens[off : off + limit]
+        return best, tokens, [] if best.q is None else best.q[off : off + limit]
+
+
+async def cloud_led_rounds(
+    step: Round, messages, first: PendingDraft | None = None
+) -> AsyncIterator[pb.Verdict]:
+    """Verdicts of a cloud-led session, one per target step, until generation ends; ``first``:
+    the Draft.lead that switched a lock-step session, verified by the first step."""
+    session = step.session
+    pool = DraftPool()
+    if first is not None:
+        pool.add(first)
+    refused: list[ProtocolError] = []
+    stop = asyncio.Event()
+    budget = reads_per_step(session.limits.max_draft_tokens)
+    credit = [budget]  # Drafts the reader may still read before the next step
+    stepped = asyncio.Event()
+
+    async def read() -> None:
+        try:  # no idle timeout: the edge may stop drafting while the cloud streams on
+            while (d := await next_draft(messages, None)) is not None:
+                credit[0] -= 1
+                if credit[0] <= 0:
+                    stepped.clear()
+                    await stepped.wait()
+                if isinstance(d, pb.Finish):
+                    break
+                if session.finish is not Finish.NONE:
+                    continue  # sent before the client heard the final verdict: not an error
+                if d.lead:
+                    raise ProtocolError(
+                        Code.INVALID_ARGUMENT, "Draft.lead is only valid in a lock-step session"
+                    )
+                q = step.check(d, exact_base=False)
+                draft = PendingDraft(d.round, d.base_len, list(d.tokens), q)
+                pool.add(draft, d.continues, session.committed_len)
+            else:
+                return  # a half-close: the client only listens from now on
+        except ProtocolError as e:
+            refused.append(e)
+        stop.set()
+
+    reader = asyncio.create_task(read())
+    limit = session.limits.max_draft_tokens
+    try:
+        while session.finish is Finish.NONE:
+            if stop.is_set():
+                if refused:
+                    raise refused[0]
+                session.finish = Finish.CANCELLED
+                break
+            t0 = time.perf_counter()
+            draft, tokens, q = pool.take(session.committed, limit)
+            round_no = draft.round if draft is not None else 0  # a continuation may come in
+            verdict = await step.verify(tokens, q, t0)
+            credit[0] = budget
+            stepped.set()
+            verdict.round = round_no
+            verdict.drafts_dropped = pool.dropped
+            verdict.drafts_verified = len(tokens)
+            yield verdict  # its hint caps the edge's speculation; the edge obeys it there
+    except BaseException:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
+        raise
+    else:
+        # Never cancelled mid-read (that closes the request stream): it reads on, dropping
+        # late Drafts, until the client half-closes (cloud/gateway/messages.py until_half_close),
+        # with no step left to wait for.
+        credit[0] = 1 << 62
+        stepped.set()
+        session.reader = reader
+    finally:
+        session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)
+        session.drafts_used = pool.used

@@ -1,0 +1,203 @@
+"""The ONNX export: its graph, metadata and weight formats, on tiny random Qwen2 checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from specsplit.edge.export.exporter import export_onnx
+from specsplit.edge.onnx_drafter import OnnxDrafter
+from specsplit.shared.tiny import make_tiny_qwen2
+from tests.edge.reference import CPU, PROMPT, drafter_greedy
+from tests.shared.test_tokenizer_fingerprint import save as save_tokenizer
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_int8_mostly_agrees_with_fp32(draft_exports, kind):
+    fp32 = OnnxDrafter(draft_exports[kind, "fp32"], providers=CPU)
+    int8 = OnnxDrafter(draft_exports[kind, "int8"], providers=CPU)
+    assert int8.precision == "int8"
+    # teacher-forced on the fp32 greedy continuation, so one early flip does not decide it all
+    ids = PROMPT + drafter_greedy(fp32, PROMPT, 32)
+    fp32.reset()
+    agree = (fp32.forward(ids).argmax(-1) == int8.forward(ids).argmax(-1)).mean()
+    assert agree >= 0.8, agree  # 0.93 and 0.95 seen; block-wise weight-only int8
+    assert len(drafter_greedy(int8, PROMPT, 8)) == 8
+
+
+def on_4bit_grids(src: Path, dst: Path) -> Path:
+    """A copy of a tiny checkpoint whose projections sit on the 4-bit grids the int4 export
+    uses (quantised and dequantised once): its int4 export then carries these very weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specsplit.edge.export.onnx_quant import INT8_BLOCK, quantize_blocks_4bit
+
+    shutil.copytree(src, dst)
+    (path,) = dst.glob("*.safetensors")
+    state = load_file(path)
+    for name, w in state.items():
+        if name.endswith("proj.weight"):
+            packed, scales, zeros = quantize_blocks_4bit(w.float().numpy(), INT8_BLOCK)
+            n, blocks = packed.shape[:2]
+            q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1)
+            z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+            back = scales.reshape(n, blocks, 1) * (q.astype(np.float32) - z[..., None])
+            state[name] = torch.from_numpy(back.reshape(w.shape).astype(np.float32))
+    save_file(state, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_int4_graph_computes_its_weights(qwen_dirs, tmp_path):
+    """The int4 graph (MatMulNBits 4-bit, packed levels and zero points) computes the model its
+    weights stand for: on a checkpoint already on its grids, int4 logits follow fp32's, the
+    only difference being int8 activations inside MatMulNBits and the int8 LM head."""
+    grid = on_4bit_grids(qwen_dirs["tied"], tmp_path / "grid")
+    fp32 = OnnxDrafter(export_onnx(grid, tmp_path / "fp32", precision="fp32"), providers=CPU)
+    int4 = OnnxDrafter(export_onnx(grid, tmp_path / "int4", precision="int4"), providers=CPU)
+    assert int4.precision == "int4"
+    ids = PROMPT + drafter_greedy(fp32, PROMPT, 24)
+    fp32.reset()
+    ref, got = fp32.forward(ids), int4.forward(ids)
+    err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() < 0.1, err  # a wrong nibble or zero point errs by ~100%
+    assert len(drafter_greedy(int4, PROMPT, 8)) == 8
+
+
+def test_int4_blocks_reproduce_a_4bit_grid_exactly():
+    """Weights that sit on a 4-bit grid with an integer zero point (what the quantiser can
+    represent) come back exactly; others within half a step of their block's grid."""
+    from specsplit.edge.export.onnx_quant import quantize_blocks_4bit
+
+    rng = np.random.default_rng(3)
+    levels = rng.integers(0, 16, size=(8, 4, 32)).astype(np.float32)
+    levels[..., 0], levels[..., 1] = 0, 15  # every block spans its whole grid
+    zero = rng.integers(0, 16, size=(8, 4, 1)).astype(np.float32)
+    scale = rng.uniform(0.001, 0.01, size=(8, 4, 1)).astype(np.float32)
+    w = (scale * (levels - zero)).reshape(8, 128)
+    packed, scales, zeros = quantize_blocks_4bit(w, 32)
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(8, 4, 32).astype(np.float32)
+    z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(8, -1)[:, :4, None]
+    back = (scales.reshape(8, 4, 1) * (q - z)).reshape(8, 128)
+    np.testing.assert_allclose(back, w, rtol=0, atol=1e-6)
+    noisy = rng.standard_normal((8, 128)).astype(np.float32)
+    packed, scales, zeros = quantize_blocks_4bit(noisy, 32)
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(8, 4, 32).astype(np.float32)
+    z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(8, -1)[:, :4, None]
+    back = (scales.reshape(8, 4, 1) * (q - z)).reshape(8, 128)
+    assert (
+        np.abs(back - noisy).reshape(8, 4, 32) <= scales.reshape(8, 4, 1) * 0.5 + 1e-6
+    ).mean() > 0.97
+
+
+def test_quantised_exports_are_smaller(draft_exports):
+    def size(d: Path) -> int:
+        return sum(f.stat().st_size for f in d.iterdir())
+
+    fp32 = size(draft_exports["untied", "fp32"])
+    assert size(draft_exports["untied", "int8"]) < 0.6 * fp32
+    assert size(draft_exports["untied", "int4"]) < size(draft_exports["untied", "int8"])
+
+
+def test_graph_io_names_and_shapes(draft_exports):
+    model = onnx.load(draft_exports["tied", "fp32"] / "model.onnx", load_external_data=False)
+
+    def dims(value_info) -> list:
+        return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+    inputs = {v.name: dims(v) for v in model.graph.input}
+    outputs = {v.name: dims(v) for v in model.graph.output}
+    assert inputs["input_ids"] == [1, "seq_len"] and inputs["past_len"] == [1]
+    assert outputs["logits"] == [1, "seq_len", 256]
+    for i in range(2):  # kv_heads 2, head_dim 16; past and present are one buffer
+        for kind in ("key", "value"):
+            assert inputs[f"past_{kind}.{i}"] == [1, 2, "capacity", 16]
+            assert outputs[f"present_{kind}.{i}"] == [1, 2, "capacity", 16]
+    assert len(inputs) == 2 + 2 * 2 and len(outputs) == 1 + 2 * 2
+    assert {n.op_type for n in model.graph.node} >= {"TensorScatter", "RotaryEmbedding"}
+    assert "Concat" not in {n.op_type for n in model.graph.node}  # no copy of the past
+    assert (draft_exports["tied", "fp32"] / "model.onnx.data").exists()
+
+
+def test_metadata_and_copied_files(tmp_path):
+    src = make_tiny_qwen2(tmp_path / "hf", seed=3, eos_token_id=7)
+    save_tokenizer(src / "tokenizer.json")
+    out = export_onnx(src, tmp_path / "onnx")
+    meta = json.loads((out / "specsplit_draft.json").read_text())
+    expected = {"vocab_size": 256, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    assert {k: meta[k] for k in expected} == expected
+    assert (meta["precision"], meta["eos_token_ids"], meta["architecture"]) == (
+        "fp32",
+        [7],
+        "qwen2",
+    )
+    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 2, "hf")
+    for name in ("tokenizer.json", "config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
+    assert meta["tokenizer_fingerprint"].startswith("v1:")
+    (src / "tokenizer.json").write_text("{}")  # unreadable: the edge could not tokenize either
+    with pytest.raises(ValueError, match="tokenizer.json: the tokenizers package cannot read it"):
+        export_onnx(src, tmp_path / "again")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "gpt2"}, "unsupported architecture 'gpt2'.*llama, mistral, qwen2"),
+        ({"model_type": "gemma3"}, "multimodal.*gemma3_text"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional"),
+    ],
+)
+def test_unsupported_model_types_are_refused_by_name(tmp_path, config, message):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        export_onnx(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temp dirs
+
+
+def test_unsupported_precision_raises(tmp_path, qwen_dirs):
+    with pytest.raises(ValueError, match="precision"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "out", precision="int3")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_export_keeps_previous_output(tmp_path, qwen_dirs):
+    out = tmp_path / "out"
+    export_onnx(qwen_dirs["tied"], out)
+    before = (out / "model.onnx").read_bytes()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((qwen_dirs["tied"] / "config.json").read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(KeyError):
+        export_onnx(broken, out)
+    assert (out / "model.onnx").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "out"]
+
+
+def test_a_partial_lm_head_keeps_its_rows_exactly_and_never_proposes_the_others(
+    qwen_dirs, draft_exports, tmp_path
+):
+    """An LM head over the lowest ids (plus EOS and added tokens): the kept ids' logits are
+    the full head's, every other id is -inf, so the draft never proposes it (q = 0 there)."""
+    full = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    out = export_onnx(qwen_dirs["tied"], tmp_path / "part", precision="fp32", head_vocab=100)
+    part = OnnxDrafter(out, providers=CPU)
+    kept = np.load(out / "lm_head_ids.npy")
+    assert kept.tolist()[:100] == list(range(100)) and set(part.eos_token_ids) <= set(kept)
+    ref, got = full.forward(PROMPT), part.forward(PROMPT)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got[:, kept], ref[:, kept], rtol=0, atol=1e-5)
+    dropped = np.setdiff1d(np.arange(ref.shape[1]), kept)
+    assert np.isneginf(got[:, dropped]).all()
+    assert all(t in kept for t in drafter_greedy(part, PROMPT, 16))
+    with pytest.raises(ValueError, match="head_vocab"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "bad", head_vocab=-1)
