@@ -29,7 +29,7 @@ import grpc
 from specsplit.edge.channel import open_channel
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
 from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
-from specsplit.edge.mode_switch import Link
+from specsplit.edge.mode_switch import MIN_ROUNDS, Link
 from specsplit.edge.proposer import Proposer, as_proposer
 from specsplit.edge.retry import (
     DEFAULT_WINDOW_S,
@@ -241,5 +241,17 @@ class SplitClient:
                 await asyncio.sleep(pause)
             finally:
                 self._reached |= stream.reached
-                self._link = stream.link or self._link
+                self._link = _remembered(stream.link or self._link, plan, stats)
                 await stream.close()
+
+
+def _remembered(link: Link | None, plan: SessionPlan, stats: GenerationStats) -> Link | None:
+    """The link a client keeps after a generation: what its Started measured, and, after an
+    auto generation that measured enough rounds to judge (or started cloud-led), whether it ran
+    cloud-led (edge.mode_switch.Link.led). A forced mode's generation judges nothing."""
+    if link is None or not plan.auto:
+        return link
+    led = stats.led_at_start or stats.lead_round > 0
+    if led or stats.rounds >= MIN_ROUNDS + 1:
+        return link._replace(led=led)
+    return link

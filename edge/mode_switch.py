@@ -53,10 +53,16 @@ LEAD_AT_START = 1.5
 class Link(NamedTuple):
     """What a Started told a client about its link (``SplitClient.link``): the round trip in ms
     (Start to Started, Started.setup_ms taken out; None when it could not be measured) and the
-    server's recent one-row step in ms (Started.step_ms, 0: unknown)."""
+    server's recent one-row step in ms (Started.step_ms, 0: unknown); and whether the client's
+    last auto generation, having measured its rounds, ran cloud-led (handed over, or started
+    so): the next one then starts cloud-led instead of measuring lock-step rounds again."""
 
     rtt_ms: float | None
     step_ms: float
+    led: bool = False
+
+    def starts_led(self) -> bool:
+        return self.led or LeadChoice.lead_at_start(self.rtt_ms, self.step_ms)
 
 
 class LeadChoice:

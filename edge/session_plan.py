@@ -51,7 +51,7 @@ class SessionPlan:
             raise ValueError(f"session_mode must be one of {SESSION_MODES}")
         elif cfg.session_mode != AUTO:
             mode = SessionMode(cfg.session_mode)
-        elif may_lead and link is not None and LeadChoice.lead_at_start(*link):
+        elif may_lead and link is not None and link.starts_led():
             mode = SessionMode.CLOUD_LED
         else:
             mode = SessionMode.LOCK_STEP

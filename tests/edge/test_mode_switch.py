@@ -171,3 +171,27 @@ def test_a_new_client_given_an_old_ones_link_starts_as_that_link_says(monkeypatc
     assert not first.stats.led_at_start  # a fresh client: nothing measured yet
     assert isinstance(link, Link) and link.rtt_ms >= 0  # (a fresh gateway: step_ms 0 then)
     assert second.stats.led_at_start and second.token_ids == [7] * 16
+
+
+@pytest.mark.parametrize("switches", [True, False])
+def test_a_client_whose_auto_generation_ran_cloud_led_starts_the_next_one_so(monkeypatch, switches):
+    """After an auto generation that measured its rounds and handed over to cloud-led, the
+    client's next auto generation starts cloud-led (the rounds it would spend measuring again
+    idle the target); after one that measured and stayed lock-step, the next measures again."""
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: switches)
+
+    async def two():
+        cfg = GenerationConfig(max_new_tokens=16, draft_tokens=2)
+        gens = []
+        async with gateway() as address, SplitClient(address, SlowDrafter(0.001)) as client:
+            for _ in range(2):
+                gen = client.generate([1, 2, 3], cfg)
+                await gen.collect()
+                gens.append((gen.stats, client.link.led))
+        return gens
+
+    (first, led), (second, _) = asyncio.run(two())
+    assert not first.led_at_start and (first.lead_round > 0) is switches and led is switches
+    assert second.led_at_start is switches
+    assert second.lead_round == 0 if switches else second.rounds > MIN_ROUNDS
