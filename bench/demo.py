@@ -23,6 +23,7 @@ from rich.text import Text
 
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.models import DEFAULT_PRECISION, PRECISIONS
 from specsplit.shared.sampling import SamplingConfig
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -144,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="name or HF dir")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="name, HF or ONNX dir")
-    p.add_argument("--precision", choices=("fp32", "int8"), default="int8")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=DEFAULT_PRECISION,
+        help=f"the draft's weights (default {DEFAULT_PRECISION}, as the edge ships)",
+    )
     p.add_argument("--no-compare", action="store_true", help="skip the cloud-only/edge-only runs")
     args = p.parse_args(argv)
     interrupt_on_sigterm()

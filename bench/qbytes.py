@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.shared.weights.sources import resolve_model
 
     cfg = SamplingConfig(temperature=args.temperature)
-    draft_dir = ensure_draft_onnx("qwen2.5-coder-0.5b-instruct", "int8")
+    draft_dir = ensure_draft_onnx("qwen2.5-coder-0.5b-instruct")
     codec, drafter = TextCodec(draft_dir), OnnxDrafter(draft_dir, threads=1)
     target_dir = resolve_model("qwen2.5-coder-1.5b-instruct")
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

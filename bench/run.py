@@ -29,6 +29,7 @@ from bench.proxy import DelayProxy
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.mode_switch import Link
+from specsplit.edge.models import DEFAULT_PRECISION, PRECISIONS
 from specsplit.shared.sampling import SamplingConfig
 
 HERE = Path(__file__).parent
@@ -268,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--precision", choices=("fp32", "int8"), default="int8")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=DEFAULT_PRECISION,
+        help=f"the draft's weights (default {DEFAULT_PRECISION}, as the edge ships)",
+    )
     p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     p.add_argument("--skip-overhead", action="store_true")
