@@ -8,12 +8,14 @@ Definitions (per N, mode and temperature):
 - passes/token: target verification passes per generated token; every Verdict reports how many
   sessions shared its pass, so a pass counts 1/sessions for each of its rounds;
 - rows/pass and sessions/pass: means over passes; hint: the mean block size the cloud hinted
-  (split), k: the mean block size the edges actually sent.
+  (split; "–" where the edges do not read it: a seeded sampled run keeps its block sizes so that
+  it repeats exactly), k: the mean block size the edges actually sent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,10 @@ def plot(s: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _fig(x: float) -> str:
+    return "–" if math.isnan(x) else f"{x:.1f}"
+
+
 def write_load_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     meta = json.loads(meta_path.read_text())
     rows = [json.loads(line) for line in raw.read_text().splitlines() if line]
@@ -171,7 +177,7 @@ def write_load_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
                     f"{v['ttft_p50']:.2f} / {v['ttft_p95']:.2f} | "
                     f"{v['itl_p50']:.0f} / {v['itl_p95']:.0f} | {v['passes_per_token']:.2f} | "
                     f"{v['rows_per_pass']:.1f} | {v['sessions_per_pass']:.1f} | "
-                    + (f"{v['hint']:.1f} | {v['k']:.1f} |" if mode == "split" else "- | - |")
+                    + (f"{_fig(v['hint'])} | {v['k']:.1f} |" if mode == "split" else "- | - |")
                 )
         lines.append("")
     lines += ["## Targets (greedy)", "", "| target | measured | |", "|---|---|---|"]

@@ -1,4 +1,5 @@
-"""The target's batch-invariant CPU kernels (``cpu_kernels.c``): compiled once, called by ctypes.
+"""The target's batch-invariant CPU kernels (``cpu_kernels.c``, ``cpu_attention.c``): compiled once,
+called by ctypes.
 
 Why our own kernels: torch's weight-only int8/int4 kernels cost in proportion to the rows (a
 verify block of 9 rows costs 3-5x one row), and none of torch's matmuls promise that a row's
@@ -50,7 +51,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GROUP", "PAIR", "KernelWeights", "check_width", "paired", "per_block"]  # re-exported
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Compiled together into one library; the header is part of what the cache key hashes.
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 MAX_HEAD_DIM = 512
 BACKEND_ENV = "SPECSPLIT_CPU_KERNELS"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -79,7 +82,7 @@ def _build(dest: Path) -> None:
         raise KernelsUnavailable("no C compiler (cc/gcc) to build the CPU kernels")
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         out = Path(tmp) / dest.name
-        cmd = [cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"]
+        cmd = [cc, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise KernelsUnavailable(f"building the CPU kernels failed:\n{done.stderr[-2000:]}")
@@ -91,7 +94,8 @@ def library() -> ctypes.CDLL:
     """The loaded kernels, built on first use; raises KernelsUnavailable."""
     if os.uname().machine not in ("x86_64", "AMD64"):
         raise KernelsUnavailable(f"the CPU kernels need x86-64, not {os.uname().machine}")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
     dest = cache_dir() / "kernels" / digest / "libspecsplit_kernels.so"
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)

