@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.request
 from collections.abc import Sequence
 
 import grpc
@@ -29,6 +30,11 @@ class AcceptsTwo(FakeTriton):
         return VerifyReply(
             accepted=kept, token=9, verify_ms=2.0, roundtrip_ms=3.0, batch_rows=4, batch_sessions=1
         )
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
 
 
 def samples(registry_or_text) -> dict[tuple[str, tuple], float]:

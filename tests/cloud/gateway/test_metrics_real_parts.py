@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +19,7 @@ from specsplit.edge.generation import GenerationStats
 from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.sampling import SamplingConfig
-from tests.cloud.gateway.test_metrics import samples, settled, value
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
+from tests.cloud.gateway.test_metrics import samples, scrape, settled, value
 
 
 @dataclass(frozen=True)
