@@ -16,6 +16,7 @@ import torch
 from specsplit.cloud.engine.ragged import RaggedForward, Segment
 from specsplit.shared.tiny import reference_greedy
 from specsplit.shared.tiny_families import FAMILIES, make_tiny, stepwise_greedy, stepwise_logits
+from tests.cloud.engine.passes import ragged_passes, stepped_alone
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 100], [42, 17, 250, 8, 8, 8, 31, 64, 99, 12, 5]]
 N_NEW = 20
@@ -47,22 +48,9 @@ def test_ragged_passes_follow_transformers(family):
     model = hf_model(path)
     sequences = [stepwise_greedy(model, p, N_NEW) for p in PROMPTS]
     reference = [stepwise_logits(model, s) for s in sequences]
-    forward = RaggedForward(hf_model(path))
-    slots = [forward.slots.open(sid) for sid in range(len(sequences))]
-    forward([Segment(slot, s[:1], False) for slot, s in zip(slots, sequences, strict=True)])
-    rng = np.random.default_rng(5)
-    got = [[] for _ in sequences]
-    while any(slot.length < len(s) for slot, s in zip(slots, sequences, strict=True)):
-        segments, owners = [], []
-        for sid, (slot, s) in enumerate(zip(slots, sequences, strict=True)):
-            if slot.length < len(s):
-                n = int(rng.integers(1, 6))
-                segments.append(Segment(slot, s[slot.length : slot.length + n], True))
-                owners.append(sid)
-        for sid, logits in zip(owners, forward(segments), strict=True):
-            got[sid].append(logits)
-    for sid, (seq, rows) in enumerate(zip(sequences, got, strict=True)):
-        logits = torch.cat(rows)  # positions 1..len-1: row j predicts the token at j + 2
+    got = ragged_passes(RaggedForward(hf_model(path)), sequences, np.random.default_rng(5), 5)
+    for sid, (seq, logits) in enumerate(zip(sequences, got, strict=True)):
+        # positions 1..len-1: row j predicts the token at j + 2
         ref = reference[sid][1:]
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         n = len(PROMPTS[sid])
@@ -83,29 +71,10 @@ def test_the_quantised_engine_is_batch_invariant_and_near_the_float_model(family
     forward = KernelForward(hf_model(path), weights)
     sequences = [p + list(range(40, 52)) for p in PROMPTS]
 
-    def stepped_alone(seq):
-        slot = forward.slots.open(100)
-        forward([Segment(slot, seq[:1], False)])
-        rows = [forward([Segment(slot, [t], True)])[0] for t in seq[1:]]
-        forward.slots.free(100)
-        return torch.cat(rows)
-
-    alone = [stepped_alone(s) for s in sequences]
-    slots = [forward.slots.open(sid) for sid in range(len(sequences))]
-    forward([Segment(slot, s[:1], False) for slot, s in zip(slots, sequences, strict=True)])
-    rng = np.random.default_rng(8)
-    got = [[] for _ in sequences]
-    while any(slot.length < len(s) for slot, s in zip(slots, sequences, strict=True)):
-        segments, owners = [], []
-        for sid, (slot, s) in enumerate(zip(slots, sequences, strict=True)):
-            if slot.length < len(s):
-                n = int(rng.integers(1, 6))
-                segments.append(Segment(slot, s[slot.length : slot.length + n], True))
-                owners.append(sid)
-        for sid, logits in zip(owners, forward(segments), strict=True):
-            got[sid].append(logits)
-    for sid, rows in enumerate(got):
-        assert torch.equal(torch.cat(rows), alone[sid]), (name, sid)
+    alone = [stepped_alone(forward, s) for s in sequences]
+    got = ragged_passes(forward, sequences, np.random.default_rng(8), 5)
+    for sid, logits in enumerate(got):
+        assert torch.equal(logits, alone[sid]), (name, sid)
     if weights == "int8":
         reference = RaggedForward(hf_model(path))
         slot = reference.slots.open(1)

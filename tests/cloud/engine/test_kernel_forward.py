@@ -19,6 +19,7 @@ from specsplit.cloud.engine.target import Open, SessionParams, TargetModel, Veri
 from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2
+from tests.cloud.engine.passes import ragged_passes, stepped_alone
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
 
@@ -140,33 +141,10 @@ def test_logits_are_bitwise_the_same_alone_and_batched(tiny_dir, fmt):
     rng = np.random.default_rng(4)
     sequences = [rng.integers(0, 256, size=n).tolist() for n in (40, 3, 17, 28)]
 
-    def stepped_alone(seq):
-        slot = forward.slots.open(100)
-        forward([Segment(slot, seq[:1], want_logits=False)])
-        rows = [forward([Segment(slot, [t], want_logits=True)])[0] for t in seq[1:]]
-        forward.slots.free(100)
-        return torch.cat(rows)
-
-    alone = [stepped_alone(seq) for seq in sequences]
-    slots = [forward.slots.open(sid) for sid in range(len(sequences))]
-    forward(
-        [
-            Segment(slot, seq[:1], want_logits=False)
-            for slot, seq in zip(slots, sequences, strict=True)
-        ]
-    )
-    got = [[] for _ in sequences]
-    while any(slot.length < len(seq) for slot, seq in zip(slots, sequences, strict=True)):
-        segments, owners = [], []
-        for sid, (slot, seq) in enumerate(zip(slots, sequences, strict=True)):
-            if slot.length < len(seq):
-                n = int(rng.integers(1, 7))
-                segments.append(Segment(slot, seq[slot.length : slot.length + n], True))
-                owners.append(sid)
-        for sid, logits in zip(owners, forward(segments), strict=True):
-            got[sid].append(logits)
-    for sid, rows in enumerate(got):
-        assert torch.equal(torch.cat(rows), alone[sid]), sid
+    alone = [stepped_alone(forward, seq) for seq in sequences]
+    got = ragged_passes(forward, sequences, rng, 6)
+    for sid, logits in enumerate(got):
+        assert torch.equal(logits, alone[sid]), sid
 
 
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="this CPU runs one kernel only")
