@@ -1,5 +1,5 @@
 """Fakes shared by tests: a Triton session that needs no Triton, a slow drafter, an in-process
-gateway around them."""
+gateway around them; and how a test waits for a stream the server ends."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import grpc
 import numpy as np
 
 from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
@@ -17,6 +18,16 @@ from specsplit.cloud.gateway.triton_client import VerifyReply
 VOCAB = 256
 MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512), "")
 NOWHERE = "127.0.0.1:1"  # no Triton: the fakes answer instead
+
+
+async def stream_end(call) -> tuple[grpc.StatusCode, str]:
+    """Reads a Generate stream until the server ends it: its status code and details."""
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    return await call.code(), ""
 
 
 class FakeTriton:

@@ -25,7 +25,7 @@ from specsplit.cloud.gateway.admission import (
 from specsplit.cloud.gateway.security import Security, client_key
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from specsplit.shared.tiny import make_tiny_qwen2
-from tests.fakes import gateway
+from tests.fakes import gateway, stream_end
 
 KV = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # the tiny test model: 512 B
 MIB = 2**20
@@ -355,12 +355,7 @@ def _silent(stub, send_start: bool):
     async def hold() -> tuple[grpc.StatusCode, str]:
         if send_start:
             await call.write(_start(200))
-        try:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-        except grpc.aio.AioRpcError as e:
-            return e.code(), e.details()
-        return await call.code(), ""
+        return await stream_end(call)
 
     return call, asyncio.create_task(hold())
 

@@ -11,6 +11,7 @@ import pytest
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.cloud.gateway.test_gateway_cancel import held_kv_caches, wait_for_kv_caches
+from tests.fakes import stream_end
 
 pytestmark = pytest.mark.slow
 MAX_SESSIONS = 4
@@ -40,12 +41,7 @@ async def idle(stub, send_start: bool) -> grpc.StatusCode:
     call = stub.Generate(timeout=60)
     if send_start:
         await call.write(START)
-    try:
-        while await call.read() is not grpc.aio.EOF:
-            pass
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return await call.code()
+    return (await stream_end(call))[0]
 
 
 async def served(stub, patience_s: float) -> float:

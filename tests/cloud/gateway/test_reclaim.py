@@ -17,6 +17,7 @@ from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from specsplit.shared.tiny import reference_greedy
 from tests.cloud.gateway.test_gateway_cancel import held_kv_caches, wait_for_kv_caches
+from tests.fakes import stream_end
 
 pytestmark = pytest.mark.slow
 MAX_SESSIONS = 4
@@ -60,19 +61,10 @@ class Holders:
                 assert (await call.read()).WhichOneof("msg") == "started"
             else:
                 await call.wait_for_connection()
-            self.ends.append(asyncio.create_task(self._end(call)))
-
-    @staticmethod
-    async def _end(call) -> grpc.StatusCode:
-        try:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-        except grpc.aio.AioRpcError as e:
-            return e.code()
-        return await call.code()
+            self.ends.append(asyncio.create_task(stream_end(call)))
 
     def reclaimed(self) -> list[grpc.StatusCode]:
-        return [t.result() for t in self.ends if t.done() and not t.cancelled()]
+        return [t.result()[0] for t in self.ends if t.done() and not t.cancelled()]
 
     async def __aenter__(self) -> Holders:
         return self
