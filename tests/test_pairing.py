@@ -151,3 +151,37 @@ def test_the_draft_never_proposes_a_padding_id(tmp_path):
     assert meta["token_count"] == 128 and drafter.token_count == 128
     logits = drafter.forward([5, 9, 2, 77])
     assert np.isneginf(logits[:, 128:]).all() and np.isfinite(logits[:, :128]).all()
+
+
+def test_a_real_serve_pairs_drafts_by_tokenizer(tmp_path):
+    """On real parts (`specsplit-cloud serve` with a tiny target that has a tokenizer, ONNX
+    Runtime drafts): a draft exported with the target's tokenizer is served, and its output
+    stays inside the tokenizer's ids; one exported with another tokenizer is refused with
+    FAILED_PRECONDITION before any token."""
+    from specsplit.cloud.supervision.process import CloudProcess
+    from specsplit.edge.client import GenerationConfig, SplitClient
+    from specsplit.edge.export.exporter import export_onnx
+    from specsplit.edge.onnx_drafter import OnnxDrafter
+    from specsplit.shared.tiny import make_tiny_qwen2
+
+    target = make_tiny_qwen2(tmp_path / "target", seed=0)
+    other = make_tiny_qwen2(tmp_path / "other", seed=1)
+    write_tokenizer(target, 200, pad_to=256)
+    write_tokenizer(other, 201)
+    same = OnnxDrafter(export_onnx(target, tmp_path / "same-onnx"))
+    foreign = OnnxDrafter(export_onnx(other, tmp_path / "foreign-onnx"))
+    assert same.tokenizer_fingerprint != foreign.tokenizer_fingerprint
+
+    async def generate(address: str, drafter) -> list[int]:
+        config = GenerationConfig(max_new_tokens=12)
+        async with SplitClient(address, drafter) as client:
+            gen = client.generate([5, 9, 2], config)
+            await gen.collect()
+            return gen.token_ids
+
+    with CloudProcess("--target", str(target), log_dir=tmp_path / "cloud") as cloud:
+        tokens = asyncio.run(generate(cloud.address, same))
+        assert len(tokens) == 12 and all(t < 200 for t in tokens)
+        with pytest.raises(SpecsplitError, match="tokenizer") as refused:
+            asyncio.run(generate(cloud.address, foreign))
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
