@@ -126,7 +126,8 @@ class KernelForward:
         _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         self.embed = inner.embed_tokens
         self.norm = decoder.rms_norm_params(inner.norm, config)
-        self.rotary = decoder.Rotary(inner.float(), config)
+        inner.rotary_emb.float()  # tables in float32; the embedding keeps its dtype (_embed)
+        self.rotary = decoder.Rotary(inner, config)
         linears = [lin for layer in self.layers for lin in layer.linears]
         self.bytes = sum(lin.nbytes for lin in linears) + self.lm_head.nbytes
         parts = [bits for lin in linears for bits in lin.bits]
@@ -152,17 +153,22 @@ class KernelForward:
             self.slots.reserve(seg.slot, start + n)
         ids = torch.tensor([t for seg in segments for t in seg.tokens])
         positions = [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
-        x = self.embed(ids).float()  # [R, hidden] (Gemma's module scales it)
-        tables = {
-            key: (cos.float().contiguous(), sin.float().contiguous())  # [R, rotary dims]
-            for key, (cos, sin) in self.rotary.tables(x, positions).items()
-        }
+        x = self._embed(ids)  # [R, hidden] float32
+        tables = self.rotary.tables(x, positions)  # {key: (cos, sin) [R, rotary dims]} float32
         batch = kernels.RaggedBatch([seg.slot.kv for seg in segments], starts, lengths)
         for li, layer in enumerate(self.layers):
             x = self._layer(li, layer, x, tables, batch)
         for seg, start, n in zip(segments, starts, lengths, strict=True):
             seg.slot.length = start + n
         return logits_rows(x, segments, self._head)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows in float32, as the module upcast to float32 would give them
+        (the lookup is exact; Gemma's module scales by its embed_scale), without holding a
+        float32 copy of the whole table."""
+        x = torch.nn.functional.embedding(ids, self.embed.weight).float()
+        scale = getattr(self.embed, "embed_scale", None)
+        return x if scale is None else x * scale.float()
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(kernels.QuantizedRows(h, self.norm))
