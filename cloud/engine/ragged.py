@@ -26,7 +26,7 @@ from specsplit.cloud.engine import decoder
 from specsplit.cloud.engine.decoder import LayerSpec, check_supported
 from specsplit.cloud.engine.kv_slots import KVSlots, Slot
 
-__all__ = ["RaggedForward", "Segment", "check_supported", "logits_rows"]
+__all__ = ["RaggedForward", "Segment", "logits_rows"]
 
 
 @dataclass
@@ -56,11 +56,6 @@ def logits_rows(x: torch.Tensor, segments, head) -> list[torch.Tensor | None]:
     return result
 
 
-def key_range(start: int, n: int, window: int | None) -> int:
-    """The first position any of a segment's rows at ``start``..``start + n - 1`` may see."""
-    return 0 if window is None else max(0, start - window + 1)
-
-
 def visible(start: int, n: int, lo: int, window: int | None, device) -> torch.Tensor:
     """[n, end - lo] bool: row i (position start + i) sees key position p iff p <= start + i
     and, with a window W, p > start + i - W (transformers' sliding window)."""
@@ -70,6 +65,32 @@ def visible(start: int, n: int, lo: int, window: int | None, device) -> torch.Te
     if window is not None:
         allowed &= keys > rows - window
     return allowed
+
+
+def key_view(
+    start: int, n: int, window: int | None, capped: bool, device
+) -> tuple[int, torch.Tensor | None]:
+    """(lo, mask) of a segment's rows at ``start``..``start + n - 1``: the first key position
+    any of them may see, and which of the keys from there each sees (None where attention needs
+    no mask: one row that sees every key, its scores not soft-capped)."""
+    lo = 0 if window is None else max(0, start - window + 1)
+    if n > 1 or lo > 0 or capped:
+        return lo, visible(start, n, lo, window, device)
+    return lo, None
+
+
+@dataclass(frozen=True)
+class _LayerParts:
+    """A layer's modules the pass calls, looked up once (decoder): its norms, the names of its
+    q/k/v projections, its per-head q/k norms (or None)."""
+
+    norms: decoder.Norms
+    qkv: tuple[str, ...]
+    qk_norms: tuple[torch.nn.Module, torch.nn.Module] | None
+
+    @classmethod
+    def of(cls, layer) -> _LayerParts:
+        return cls(decoder.norms(layer), decoder.projections(layer).qkv, decoder.qk_norms(layer))
 
 
 class RaggedForward:
@@ -85,6 +106,7 @@ class RaggedForward:
         self.specs = decoder.layer_specs(config)
         self.rotary = decoder.Rotary(self.inner, config)
         self.final_softcap = decoder.final_softcap(config)
+        self.parts = [_LayerParts.of(layer) for layer in self.inner.layers]
         param = next(model.parameters())
         self.slots = KVSlots(
             len(self.inner.layers), self.kv_heads, self.head_dim, param.dtype, param.device
@@ -105,9 +127,17 @@ class RaggedForward:
         ]
         x = self.inner.embed_tokens(ids)  # [R, hidden] (Gemma's module scales it)
         tables = self.rotary.tables(x, positions)
+        # Each segment's keys and mask, per kind of layer: built once per pass, not per layer.
+        views = {
+            kind: [
+                key_view(start, len(seg.tokens), *kind, device)
+                for seg, start in zip(segments, starts, strict=True)
+            ]
+            for kind in {(spec.window, spec.softcap is not None) for spec in self.specs}
+        }
         for li, layer in enumerate(self.inner.layers):
-            norms = decoder.norms(layer)
-            attn = self._attention(li, layer, norms.pre_attn(x), tables, segments, starts)
+            norms = self.parts[li].norms
+            attn = self._attention(li, layer, norms.pre_attn(x), tables, segments, starts, views)
             attn = layer.self_attn.o_proj(attn)
             x = x + (attn if norms.post_attn is None else norms.post_attn(attn))
             mlp = layer.mlp(norms.pre_mlp(x))
@@ -116,9 +146,9 @@ class RaggedForward:
             seg.slot.length = start + len(seg.tokens)
         return self._logits(x, segments)
 
-    def _qkv(self, layer, h: torch.Tensor):
+    def _qkv(self, li: int, layer, h: torch.Tensor):
         rows, hd = h.shape[0], self.head_dim
-        names = decoder.projections(layer).qkv
+        names = self.parts[li].qkv
         if len(names) == 1:  # fused (Phi-3)
             fused = layer.self_attn.qkv_proj(h)
             q, k, v = fused.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
@@ -126,28 +156,25 @@ class RaggedForward:
             q, k, v = (getattr(layer.self_attn, n)(h) for n in names)
         q = q.view(rows, self.heads, hd)
         k, v = k.view(rows, self.kv_heads, hd), v.view(rows, self.kv_heads, hd)
-        norms = decoder.qk_norms(layer)
+        norms = self.parts[li].qk_norms
         if norms is not None:  # Qwen3, Gemma 3: per head, before the rotation
             q, k = norms[0](q), norms[1](k)
         return q, k, v
 
-    def _attention(self, li, layer, h, tables, segments, starts) -> torch.Tensor:
+    def _attention(self, li, layer, h, tables, segments, starts, views) -> torch.Tensor:
         spec = self.specs[li]
-        q, k, v = self._qkv(layer, h)
+        q, k, v = self._qkv(li, layer, h)
         cos, sin = tables[spec.rope]
         q, k = decoder.apply_rotary(q, cos, sin), decoder.apply_rotary(k, cos, sin)
         out = torch.empty_like(q)  # [R, heads, head_dim]
         offset = 0
-        for seg, start in zip(segments, starts, strict=True):
+        view = views[(spec.window, spec.softcap is not None)]
+        for seg, start, (lo, mask) in zip(segments, starts, view, strict=True):
             n = len(seg.tokens)
             end = start + n
             kv = seg.slot.kv[li]  # [2, kv_heads, capacity, head_dim]
             kv[0, :, start:end] = k[offset : offset + n].transpose(0, 1)
             kv[1, :, start:end] = v[offset : offset + n].transpose(0, 1)
-            lo = key_range(start, n, spec.window)
-            mask = None
-            if n > 1 or lo > 0 or spec.softcap is not None:
-                mask = visible(start, n, lo, spec.window, h.device)  # [n, end - lo]
             o = _segment_attention(
                 q[offset : offset + n].transpose(0, 1),  # [heads, n, head_dim]
                 kv[0, :, lo:end],  # [kv_heads, end - lo, head_dim]
