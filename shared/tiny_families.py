@@ -119,31 +119,46 @@ def make_tiny(family: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def _one_token_steps(model):
+    """A function feeding transformers one token at its position, with one cache across calls
+    (what its one-token steps compute); returns that position's logits [vocab]."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+
+    def step(token: int, position: int):
+        with torch.no_grad():
+            out = model(
+                torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                cache=cache,
+                use_cache=True,
+            )
+        return out.logits[0, -1]
+
+    return step
+
+
 def stepwise_logits(model, seq: list[int]):
     """transformers' logits [len(seq), vocab] for positions 0..len-1, one token per call with
     its cache: what its one-token steps compute. (A length-dependent rotary table, Phi-3's
     LongRoPE, is picked per call: per position here, as both of our engines pick it; a single
     call over the whole sequence would pick the long factors for every position.)"""
     import torch
-    from transformers import DynamicCache
 
-    cache, rows = DynamicCache(config=model.config), []
-    with torch.no_grad():
-        for i, token in enumerate(seq):
-            out = model(
-                torch.tensor([[token]]),
-                position_ids=torch.tensor([[i]]),
-                cache=cache,
-                use_cache=True,
-            )
-            rows.append(out.logits[0, -1])
-    return torch.stack(rows)
+    step = _one_token_steps(model)
+    return torch.stack([step(token, i) for i, token in enumerate(seq)])
 
 
 def stepwise_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """``prompt`` + n greedy tokens from ``stepwise_logits`` (generate() agrees with it but for
-    Phi-3 past LongRoPE's switch, where it picks other factors than its one-token forward)."""
+    """``prompt`` + n greedy tokens from one-token steps, as ``stepwise_logits`` (generate()
+    agrees with them but for Phi-3 past LongRoPE's switch, where it picks other factors than
+    its one-token forward)."""
+    step = _one_token_steps(model)
     seq = list(prompt)
+    for i, token in enumerate(prompt[:-1]):
+        step(token, i)
     for _ in range(n):
-        seq.append(int(stepwise_logits(model, seq)[-1].argmax()))
+        seq.append(int(step(seq[-1], len(seq) - 1).argmax()))
     return seq
