@@ -10,8 +10,6 @@ The batch-invariance contract and the weight formats are described at the top of
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_HEAD_DIM 512 /* the Python side checks head_dim <= this and % 16 == 0 */
-
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

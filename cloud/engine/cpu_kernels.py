@@ -54,7 +54,6 @@ __all__ = ["GROUP", "PAIR", "KernelWeights", "check_width", "paired", "per_block
 # Compiled together into one library; the header is part of what the cache key hashes.
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
-MAX_HEAD_DIM = 512
 BACKEND_ENV = "SPECSPLIT_CPU_KERNELS"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from specsplit.edge.export.families import ModelSpec, check_architecture, read_spec
-from specsplit.edge.export.onnx_graph import GRAPH_FORMAT, OPSET, build_model
-from specsplit.edge.models import PRECISIONS
+from specsplit.edge.export.onnx_graph import OPSET, build_model
+from specsplit.edge.models import GRAPH_FORMAT, PRECISIONS
 from specsplit.shared.tokenizer_fingerprint import token_count, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)

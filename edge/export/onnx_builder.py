@@ -67,13 +67,11 @@ class GraphBuilder:
         inputs: list[str],
         n_out: int = 1,
         out: str | None = None,
-        outs: list[str] | None = None,
         **attrs,
     ) -> str | list[str]:
-        """One node; returns its output name (a list when ``n_out`` > 1). ``outs`` names
-        outputs ("" for a generated name)."""
+        """One node; returns its output name (a list when ``n_out`` > 1)."""
         self._count += 1
-        names = outs or ([out] if out else [""] * n_out)
+        names = [out] if out else [""] * n_out
         names = [n or f"{op_type.lower()}_{self._count}_{i}" for i, n in enumerate(names)]
         self.nodes.append(
             helper.make_node(op_type, inputs, names, name=f"{op_type}_{self._count}", **attrs)

@@ -1,6 +1,6 @@
 """Builds the ONNX graph of a decoder-only LM whose KV cache is updated in place, from weights.
 
-Contract (the drafter depends on it; ``GRAPH_FORMAT`` changes whenever it does):
+Contract (the drafter depends on it; ``edge.models.GRAPH_FORMAT`` changes whenever it does):
 
     inputs   input_ids         int64    [1, seq]
              past_len          int64    [1]      positions already in the cache
@@ -59,8 +59,6 @@ from onnx import TensorProto, helper
 
 from specsplit.edge.export.families import ModelSpec
 from specsplit.edge.export.onnx_builder import ExternalData, GraphBuilder, f32
-from specsplit.edge.export.onnx_quant import INT8_BLOCK  # noqa: F401  (re-exported for callers)
-from specsplit.edge.models import GRAPH_FORMAT  # noqa: F401  (re-exported: the contract above)
 
 log = logging.getLogger(__name__)
 
