@@ -347,11 +347,13 @@ class TargetModel:
         return session
 
     def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
+        # Ids past the tokenizer's (a padded vocabulary) are never emitted: greedy looks only
+        # at the others; sampling gives them probability 0 (its draws keep the full width).
+        if params.mode is VerificationMode.GREEDY:
+            return verify_greedy(logits[:, : self.token_count].argmax(dim=-1).cpu().numpy(), drafts)
         if self.token_count < logits.shape[-1]:
             logits = logits.clone()
             logits[:, self.token_count :] = float("-inf")
-        if params.mode is VerificationMode.GREEDY:
-            return verify_greedy(logits.argmax(dim=-1).cpu().numpy(), drafts)
         p = logits_to_probs(logits.float().cpu().numpy(), params.sampling)  # [k + 1, V]
         rng = round_rng(params.seed, "verify", base_len)
         # Draws no draft decides share their numbers with the edge's drafting at that position.
