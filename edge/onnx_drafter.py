@@ -70,20 +70,21 @@ def _create_session(path: str, options, providers: list[str]) -> ort.InferenceSe
 
 
 class _KVCache:
-    """One [1, kv_heads, capacity, head_dim] float32 buffer per layer and kind; ``length``
-    positions of each are valid. ``reserve`` grows them (doubling, one copy of the valid part)."""
+    """One [1, kv_heads, capacity, head_dim] float32 buffer per layer and kind (the drafter
+    knows how many positions are valid). ``reserve`` grows them (doubling, one copy of the
+    valid part)."""
 
     def __init__(
         self, names: list[str], kv_heads: int, head_dim: int, limit: int, device: str
     ) -> None:
         self.names = names  # key.0, value.0, key.1, ...
         self._shape, self._limit, self._device = (kv_heads, head_dim), limit, device
-        self.length = 0
         self.capacity = 0
         self.values: list[ort.OrtValue] = []
 
-    def reserve(self, total: int) -> bool:
-        """Room for ``total`` positions; True when the buffers moved (bind the new ones)."""
+    def reserve(self, total: int, valid: int) -> bool:
+        """Room for ``total`` positions, the first ``valid`` kept; True when the buffers moved
+        (bind the new ones)."""
         if total <= self.capacity:
             return False
         capacity = min(self._limit, max(INITIAL_CAPACITY, 2 * self.capacity, total))
@@ -92,7 +93,7 @@ class _KVCache:
         for old in self.values or [None] * len(self.names):
             new = np.zeros((1, kv_heads, capacity, head_dim), np.float32)
             if old is not None:
-                new[:, :, : self.length] = old.numpy()[:, :, : self.length]
+                new[:, :, :valid] = old.numpy()[:, :, :valid]
             # On CPU the OrtValue aliases ``new`` (and keeps it alive); on CUDA it is a copy.
             values.append(ort.OrtValue.ortvalue_from_numpy(new, self._device, 0))
         self.values, self.capacity = values, capacity
@@ -180,19 +181,18 @@ class OnnxDrafter:
 
     def _step(self, tokens: Sequence[int]) -> np.ndarray:
         past, seq = len(self._tokens), len(tokens)
-        self._reserve(past + seq)
+        self._reserve(past + seq, past)
         binding = self._binding
         binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64).reshape(1, seq))
         binding.bind_cpu_input("past_len", np.array([past], dtype=np.int64))
         binding.bind_output("logits", "cpu")  # a fresh [1, seq, vocab] each call
         self._session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()  # [1, seq, vocab or head rows]
-        self._kv.length = past + seq
         self._tokens.extend(int(t) for t in tokens)
         return logits[0]
 
-    def _reserve(self, total: int) -> None:
-        if self._kv.reserve(total):  # the buffers moved: past and present are the new ones
+    def _reserve(self, total: int, valid: int) -> None:
+        if self._kv.reserve(total, valid):  # the buffers moved: past and present are the new ones
             for name, value in zip(self._kv.names, self._kv.values, strict=True):
                 self._binding.bind_ortvalue_input(f"past_{name}", value)
                 self._binding.bind_ortvalue_output(f"present_{name}", value)
@@ -203,7 +203,6 @@ class OnnxDrafter:
         if not 0 <= n <= len(self._tokens):
             raise ValueError(f"truncate({n}) outside 0..{len(self._tokens)}")
         del self._tokens[n:]
-        self._kv.length = n
 
     def reset(self) -> None:
         self.truncate(0)

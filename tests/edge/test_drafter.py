@@ -89,7 +89,7 @@ def test_a_step_writes_its_positions_in_place(draft_exports, capfd):
         assert not now[:, :, n + 2 :].any()  # zeros, never written
     after = [v.numpy().copy() for v in buffers]
     drafter.truncate(n - 1)  # rollback: only the length moves, not a byte
-    assert drafter._kv.length == n - 1
+    assert len(drafter.cached) == n - 1
     for value, old in zip(buffers, after, strict=True):
         np.testing.assert_array_equal(value.numpy(), old)
     drafter.forward([44])
