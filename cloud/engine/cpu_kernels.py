@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specsplit.cloud.engine import kernel_layouts
+from specsplit.cloud.engine import decoder, kernel_layouts
 from specsplit.cloud.engine.kernel_layouts import (
     BACKENDS,
     GROUP,
@@ -147,11 +147,12 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def fits(config) -> bool:
-    """Whether every projection of a Llama-style decoder reads rows the kernels take."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    widths = (config.hidden_size, config.intermediate_size, heads * head_dim)
-    return all(w % PAIR == 0 for w in widths)
+    """Whether every projection of the decoder reads rows the kernels take, and its heads are
+    a whole number of 16-value steps (the attention and rotary kernels'): so that a calibration
+    never picks a format whose engine would refuse the model."""
+    head_dim = decoder.head_dim(config)
+    widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
+    return head_dim % 16 == 0 and all(w % PAIR == 0 for w in widths)
 
 
 class QuantizedRows:

@@ -113,6 +113,17 @@ def test_a_row_does_not_depend_on_the_other_rows_or_threads(fmt, backend):
         torch.set_num_threads(threads)
 
 
+def test_a_model_fits_the_kernels_only_with_heads_of_whole_16_value_steps():
+    """The calibration offers the quantised formats only where their engine takes the model:
+    projections in whole pairs of groups, and heads a multiple of 16 values wide."""
+    from transformers import Qwen2Config
+
+    widths = dict(hidden_size=576, intermediate_size=1152, num_attention_heads=8)
+    assert kernels.fits(Qwen2Config(**widths, head_dim=64))
+    assert not kernels.fits(Qwen2Config(**widths))  # head_dim 72: the projections would fit
+    assert not kernels.fits(Qwen2Config(**widths | {"intermediate_size": 1160}, head_dim=64))
+
+
 def test_a_4bit_source_is_recognised_and_kept_on_its_grid():
     """Groups dequantised from 4 bits (not all 16 levels used, stored in bfloat16) are found on
     their grid; float weights are not."""
