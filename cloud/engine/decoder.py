@@ -90,8 +90,13 @@ def projections(layer) -> Projections:
 ATTENTION_PROJECTIONS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def owner(layer, name: str) -> torch.nn.Module:
+    """The module that holds projection ``name``: attention's or the MLP."""
+    return layer.self_attn if name in ATTENTION_PROJECTIONS else layer.mlp
+
+
 def projection(layer, name: str) -> torch.nn.Module:
-    return getattr(layer.self_attn if name in ATTENTION_PROJECTIONS else layer.mlp, name)
+    return getattr(owner(layer, name), name)
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,7 @@ class _Layer:
         self.act = decoder.mlp_activation(layer)
         for members in _groups(layer).values():  # the float weights are no longer needed
             for name in members:
-                module = layer.self_attn if name in decoder.ATTENTION_PROJECTIONS else layer.mlp
-                setattr(module, name, None)
+                setattr(decoder.owner(layer, name), name, None)
 
     @property
     def linears(self) -> list[QuantLinear]:
