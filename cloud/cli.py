@@ -84,7 +84,9 @@ def _start_metrics(args: argparse.Namespace, registry):
 def _admission(args: argparse.Namespace, target: Path) -> Admission:
     # Until a target reports its own (Admission.observe_kv): the quantised kernels keep float32
     # KV, the float path its --dtype; auto counts float32, the largest the target may choose.
-    kv = KVShape.from_dir(target, "float32" if args.weights in ("int8", "int4") else args.dtype)
+    kv = KVShape.from_dir(
+        target, "float32" if args.weights in ("int8", "int4", "gguf") else args.dtype
+    )
     if args.kv_budget_mib is None:
         budget = default_budget_bytes()
     elif args.kv_budget_mib > 0:
@@ -239,12 +241,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--weights",
-        choices=("auto", "float", "int8", "int4"),  # cloud.precision.WEIGHTS (no torch here)
+        choices=("auto", "float", "gguf", "int8", "int4"),  # cloud.precision.WEIGHTS (no torch)
         default=os.environ.get("SPECSPLIT_TARGET_WEIGHTS", "auto"),
-        help="how the target's weights are served: float (torch, --dtype), int8 or int4 (our "
-        "batch-invariant CPU kernels; int4 keeps a 4-bit source's 4-bit tensors, others int8); "
-        "auto: float on GPU, on CPU the fastest by a calibration at load (default: "
-        "$SPECSPLIT_TARGET_WEIGHTS or auto)",
+        help="how the target's weights are served: float (torch, --dtype); on our batch-invariant "
+        "CPU kernels: gguf (a GGUF source's own blocks, each tensor at the file's width: Q4_K, "
+        "Q6_K, Q8_0, ...), int8 or int4 (quantised from the float copy; int4 keeps a 4-bit "
+        "source's 4-bit tensors, others int8); auto: float on GPU, on CPU the fastest by a "
+        "calibration at load, gguf being the quantised candidate where the target has a GGUF "
+        "source (default: $SPECSPLIT_TARGET_WEIGHTS or auto)",
     )
     s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
     s.add_argument(

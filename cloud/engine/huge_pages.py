@@ -10,6 +10,8 @@ load, into one anonymous mapping advised ``MADV_HUGEPAGE`` (Linux's THP in "madv
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import mmap
 from pathlib import Path
@@ -57,3 +59,10 @@ def copy_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(copy)
     log.info("%.0f MB of weights copied into huge pages (THP mode: %s)", total / 1e6, thp_mode())
     return out
+
+
+def release_freed_memory() -> None:
+    """Hands memory freed on the C heap back to the system (glibc's ``malloc_trim``): freed
+    weights below glibc's mmap threshold otherwise stay in the process's resident set."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

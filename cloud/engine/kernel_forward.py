@@ -17,22 +17,32 @@ proves it bit for bit), so a verify block and one-token steps agree exactly in a
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine import decoder, quant_cache
 from specsplit.cloud.engine.decoder import check_supported
-from specsplit.cloud.engine.huge_pages import copy_into_huge_pages
+from specsplit.cloud.engine.gguf_weights import Embedding, GgufWeights
+from specsplit.cloud.engine.huge_pages import copy_into_huge_pages, release_freed_memory
 from specsplit.cloud.engine.kv_slots import KVSlots
-from specsplit.cloud.engine.quantized import QuantLinear, choose_bits, layer_projections
+from specsplit.cloud.engine.quantized import (
+    QuantLinear,
+    choose_bits,
+    fused_bias,
+    layer_projections,
+    quantize_float,
+)
 from specsplit.cloud.engine.ragged import Segment, logits_rows
 
 log = logging.getLogger(__name__)
 
-WEIGHTS = ("int8", "int4")
+WEIGHTS = ("int8", "int4", "gguf")
 
 
 def _groups(layer) -> dict[str, tuple[str, ...]]:
@@ -41,14 +51,49 @@ def _groups(layer) -> dict[str, tuple[str, ...]]:
     return {"qkv": names.qkv, "o": ("o_proj",), "gate_up": names.gate_up, "down": ("down_proj",)}
 
 
-def quantize_layer(layer, weights: str, four_bit: bool) -> dict[str, QuantLinear]:
+def quantize_layer(
+    layer, weights: str, four_bit: bool, gguf: GgufWeights | None = None, prefix: str = ""
+) -> dict[str, QuantLinear]:
+    """The layer's fused linears. ``gguf``: serve each projection the file holds in a kernel
+    format from its blocks (``prefix`` + projection path is its HF name); the others, and all
+    of them without a file, quantised from the float copy (int8, or int4 per ``choose_bits``)."""
     names = decoder.projections(layer).all
-    bits = dict(zip(names, choose_bits(layer_projections(layer), weights, four_bit), strict=True))
+    linears = layer_projections(layer)
+    if gguf is None:
+        bits = dict(zip(names, choose_bits(linears, weights, four_bit), strict=True))
+    else:
+        bits = dict.fromkeys(names, 8)  # a float tensor of a GGUF: int8, never coarser
     out = {}
     for fused, members in _groups(layer).items():
-        linears = [decoder.projection(layer, n) for n in members]
-        out[fused] = QuantLinear.quantize(linears, [bits[n] for n in members], four_bit)
+        parts = []
+        for name in members:
+            lin = decoder.projection(layer, name)
+            path = _path_in(layer, lin)
+            got = None if gguf is None else gguf.weight(prefix + path, lin.weight.detach())
+            if got is None:
+                got = (f"int{bits[name]}", quantize_float(lin.weight, bits[name], four_bit))
+            parts.append(got)
+        linears_ = [decoder.projection(layer, n) for n in members]
+        out[fused] = QuantLinear.fuse(parts, fused_bias(linears_))
     return out
+
+
+def _path_in(layer, linear) -> str:
+    """The dotted path of ``linear`` inside ``layer`` (e.g. ``self_attn.q_proj``)."""
+    return next(name for name, m in layer.named_modules() if m is linear)
+
+
+def _lm_head(model, gguf: GgufWeights | None) -> QuantLinear:
+    """The LM head: the file's ``output`` (or, tied, its token embedding), else int8."""
+    weight = model.lm_head.weight.detach()
+    got = None
+    if gguf is not None:
+        got = gguf.weight("lm_head", weight)
+        if got is None and getattr(model.config, "tie_word_embeddings", False):
+            got = gguf.weight("model.embed_tokens", weight)
+    if got is None:
+        got = ("int8", quantize_float(weight, 8))
+    return QuantLinear.fuse([got])
 
 
 def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
@@ -63,6 +108,31 @@ def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
             dataclasses.replace(w, tensors=tuple(next(moved) for _ in w.tensors))
             for w in lin.kernel_parts
         ]
+
+
+def _embedding(gguf: GgufWeights | None, module) -> Embedding | None:
+    """The token embedding served from the GGUF's blocks, if the file holds it in a kernel
+    format equal to the model's copy."""
+    if gguf is None:
+        return None
+    t = gguf.tensor("model.embed_tokens")
+    if t is None or t.raw.shape[0] != module.weight.shape[0]:
+        return None
+    if not gguf.matches(t, module.weight.detach(), None):
+        gguf.refused.append(f"{t.name}: its values differ from the model's")
+        return None
+    return Embedding(t)
+
+
+def _release_float_weights(model, drop_embedding: bool) -> None:
+    """Lets go of the float weights the kernels do not read (the projections went in
+    ``_Layer``; the LM head, and the embedding where the GGUF serves it) and hands the freed
+    memory back to the system, so the process holds about the served bytes."""
+    model.lm_head.weight = None
+    if drop_embedding:
+        model.model.embed_tokens.weight = None
+    gc.collect()
+    release_freed_memory()
 
 
 def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -93,11 +163,19 @@ class _Layer:
 
 class KernelForward:
     def __init__(
-        self, model: torch.nn.Module, weights: str, four_bit: bool = False, cache_key: str = ""
+        self,
+        model: torch.nn.Module,
+        weights: str,
+        four_bit: bool = False,
+        cache_key: str = "",
+        gguf_path: str | Path | None = None,
     ):
-        """``four_bit``: the model's projections already sit on 4-bit grids (``int4`` then
-        keeps the others in int8; ``cloud.quantized.four_bit_source``). ``cache_key``: where the
-        quantised weights are kept between loads (``cloud.engine.quant_cache``); empty: not kept."""
+        """``weights``: ``gguf`` serves the projections, LM head and embedding from the GGUF at
+        ``gguf_path`` at its own widths (``cloud.engine.gguf_weights``); ``int8``/``int4``
+        quantise the float copy. ``four_bit``: the model's projections already sit on 4-bit
+        grids (``int4`` then keeps the others in int8; ``quantized.four_bit_source``).
+        ``cache_key``: where the quantised weights are kept between loads
+        (``cloud.engine.quant_cache``); empty: not kept."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         self.config = config = model.config
@@ -110,10 +188,18 @@ class KernelForward:
         self.specs = decoder.layer_specs(config)
         self.final_softcap = decoder.final_softcap(config)
         inner = model.model
+        gguf = None
+        if weights == "gguf":
+            if gguf_path is None:
+                raise ValueError("weights 'gguf' need the model's GGUF file")
+            gguf = GgufWeights(gguf_path, config)
         state = quant_cache.load(cache_key) if cache_key else None
         if state is None:
-            layers = [quantize_layer(layer, weights, four_bit) for layer in inner.layers]
-            lm_head = QuantLinear.quantize([model.lm_head], [8])
+            layers = [
+                quantize_layer(layer, weights, four_bit, gguf, f"model.layers.{i}.")
+                for i, layer in enumerate(inner.layers)
+            ]
+            lm_head = _lm_head(model, gguf)
             if cache_key:
                 quant_cache.save(cache_key, layers, lm_head)
         else:
@@ -122,23 +208,30 @@ class KernelForward:
             _Layer(layer, q, config) for layer, q in zip(inner.layers, layers, strict=True)
         ]
         self.lm_head = lm_head
-        _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         self.embed = inner.embed_tokens
+        self.embed_rows = _embedding(gguf, inner.embed_tokens)
         self.norm = decoder.rms_norm_params(inner.norm, config)
         inner.rotary_emb.float()  # tables in float32; the embedding keeps its dtype (_embed)
         self.rotary = decoder.Rotary(inner, config)
-        linears = [lin for layer in self.layers for lin in layer.linears]
-        self.bytes = sum(lin.nbytes for lin in linears) + self.lm_head.nbytes
-        parts = [bits for lin in linears for bits in lin.bits]
+        _release_float_weights(model, drop_embedding=self.embed_rows is not None)
+        _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
+        linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+        self.bytes = sum(lin.nbytes for lin in linears)
+        used = Counter(fmt for lin in linears for fmt in lin.formats)
+        source = ""
+        if gguf is not None:
+            source = f"; the GGUF's tensors: {gguf.file_bytes / 1e6:.0f} MB"
+            for why in gguf.refused:
+                log.warning("served from the float copy: %s", why)
         log.info(
-            "%s weights on the %s kernels: %d matmuls in int4, %d in int8 (4-bit source: %s), "
-            "LM head int8, %.0f MB read per pass",
+            "%s weights on the %s kernels, matmuls by format %s (4-bit source: %s): "
+            "%.0f MB read per one-row pass%s",
             weights,
             kernels.backend(),
-            parts.count(4),
-            parts.count(8),
+            dict(used),
             four_bit,
             self.bytes / 1e6,
+            source,
         )
         self.slots = KVSlots(
             len(self.layers), self.kv_heads, self.head_dim, torch.float32, torch.device("cpu")
@@ -164,8 +257,11 @@ class KernelForward:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows in float32, as the module upcast to float32 would give them
         (the lookup is exact; Gemma's module scales by its embed_scale), without holding a
-        float32 copy of the whole table."""
-        x = torch.nn.functional.embedding(ids, self.embed.weight).float()
+        float32 copy of the whole table; from the GGUF's blocks where it has them."""
+        if self.embed_rows is not None:
+            x = self.embed_rows(ids)
+        else:
+            x = torch.nn.functional.embedding(ids, self.embed.weight).float()
         scale = getattr(self.embed, "embed_scale", None)
         return x if scale is None else x * scale.float()
 

@@ -58,13 +58,15 @@ def int4_levels(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KernelWeights:
-    """One matmul's weights in a kernel's layout: ``n`` output columns of ``k`` inputs."""
+    """One matmul's weights in a kernel's layout: ``n`` output columns of ``k`` inputs, in the
+    weight format ``format`` (``cloud.engine.formats``: which gemm reads them)."""
 
     backend: str
     bits: int
     n: int
     k: int
     tensors: tuple[torch.Tensor, ...]
+    format: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +121,8 @@ def pack(backend: str, bits: int, tensors: tuple[torch.Tensor, ...]) -> KernelWe
         packed = _pack_vnni(bits, tensors, n, k)
     else:
         raise ValueError(f"unknown kernel backend {backend!r}; one of {BACKENDS}")
-    return KernelWeights(backend, bits, n, k, tuple(t.contiguous() for t in packed))
+    fmt = {8: "int8", 4: "int4"}[bits]
+    return KernelWeights(backend, bits, n, k, tuple(t.contiguous() for t in packed), fmt)
 
 
 def reference_gemm(

@@ -2,13 +2,16 @@
 
 - ``float``: the model's own modules in torch, in ``dtype`` (float32 on CPU, with oneDNN-packed
   linears; bfloat16 on GPU by default). The reference; equal to transformers.
+- ``gguf``: a GGUF source's own blocks on our batch-invariant CPU kernels, each tensor at the
+  file's width (``cloud.engine.gguf_weights``).
 - ``int8`` / ``int4``: weight-only quantised projections on our batch-invariant CPU kernels
   (``cloud.engine.kernel_forward``); ``int4`` keeps a 4-bit source's 4-bit tensors on their own
   groups and its finer ones in int8 (``cloud.engine.quantized``).
 - ``auto``: on a GPU, ``float``; on a CPU, a calibration at load times one layer's MLP in every
   candidate this machine can run, at one row (a cloud-only step) and at nine (a verify block),
-  and keeps the fastest; the table and the choice are logged. The quantised candidate is int4
-  for a 4-bit source and int8 otherwise (auto never serves a float model in 4 bits).
+  and keeps the fastest; the table and the choice are logged. The quantised candidate is gguf
+  where the model has a GGUF source, else int4 for a 4-bit source and int8 otherwise (auto never
+  serves a float model in 4 bits).
 An explicit ``--dtype`` other than auto asks for the float path.
 """
 
@@ -22,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHTS = ("auto", "float", "int8", "int4")
+WEIGHTS = ("auto", "float", "gguf", "int8", "int4")
 CALIBRATION_ROWS = (1, 9)
 
 
@@ -58,12 +61,27 @@ def _best_ms(fn, reps: int = 5) -> float:
     return best * 1e3
 
 
-def _mlp_timer(fmt: str, hidden: int, intermediate: int):
-    """A function rows -> ms for one layer's MLP projections (gate/up fused, down) in ``fmt``."""
+def _mlp_timer(fmt: str, hidden: int, intermediate: int, gguf_mlp: tuple[str, str] | None = None):
+    """A function rows -> ms for one layer's MLP projections (gate/up fused, down) in ``fmt``
+    (``gguf``: in the formats ``gguf_mlp`` names, the file's gate/up and down ones)."""
     torch.manual_seed(0)
     up = torch.randn(2 * intermediate, hidden) * 0.02
     down = torch.randn(hidden, intermediate) * 0.02
-    if fmt in ("int8", "int4"):
+    if fmt == "gguf":
+        from specsplit.cloud.engine import cpu_kernels as kernels
+        from specsplit.cloud.engine import formats
+        from specsplit.cloud.engine.gguf_weights import synthetic
+
+        backend = kernels.backend()
+        up_fmt, down_fmt = gguf_mlp
+        wu = formats.pack(up_fmt, backend, synthetic(up_fmt, 2 * intermediate, hidden))
+        wd = formats.pack(down_fmt, backend, synthetic(down_fmt, hidden, intermediate))
+
+        def run(x):
+            h = formats.gemm(kernels.QuantizedRows(x), wu)[:, :intermediate]
+            return formats.gemm(kernels.QuantizedRows(h.contiguous()), wd)
+
+    elif fmt in ("int8", "int4"):
         from specsplit.cloud.engine import cpu_kernels as kernels
         from specsplit.cloud.engine.quantized import quantize_int4, quantize_int8
 
@@ -95,22 +113,30 @@ def _mlp_timer(fmt: str, hidden: int, intermediate: int):
     return timed
 
 
-def calibrate(config, quantized: str | None) -> dict[str, dict[int, float]]:
+def calibrate(
+    config, quantized: str | None, gguf_mlp: tuple[str, str] | None = None
+) -> dict[str, dict[int, float]]:
     """ms of one layer's MLP by format and rows, for each candidate on this CPU."""
     candidates = ["float32", "bfloat16", *([quantized] if quantized else [])]
     table = {}
     for fmt in candidates:
-        timed = _mlp_timer(fmt, config.hidden_size, config.intermediate_size)
+        timed = _mlp_timer(fmt, config.hidden_size, config.intermediate_size, gguf_mlp)
         table[fmt] = {rows: timed(rows) for rows in CALIBRATION_ROWS}
     return table
 
 
 def choose(
-    weights: str, dtype: str, device: torch.device, config, four_bit: bool
+    weights: str, dtype: str, device: torch.device, config, four_bit: bool, gguf_path=None
 ) -> tuple[str, torch.dtype]:
-    """(format, float dtype): ``float`` with the dtype to run in, or ``int8``/``int4`` (whose
-    activations are float32). Calibrates when both are auto on a CPU."""
+    """(format, float dtype): ``float`` with the dtype to run in, or ``gguf``/``int8``/``int4``
+    (whose activations are float32). Calibrates when both are auto on a CPU. ``gguf_path``: the
+    model's GGUF source, if it has one (``gguf_weights.source_gguf``)."""
     check_weights(weights)
+    if weights == "gguf" and gguf_path is None:
+        raise ValueError(
+            "--weights gguf serves a GGUF source's blocks: this target was not converted from a "
+            "GGUF and holds no single *.gguf file"
+        )
     if weights != "auto":
         if weights != "float" and device.type != "cpu":
             raise ValueError(f"--weights {weights} runs on CPU kernels; on {device} use float")
@@ -120,8 +146,18 @@ def choose(
     from specsplit.cloud.engine import cpu_kernels
 
     fit = cpu_kernels.available() and cpu_kernels.fits(config)
-    quantized = ("int4" if four_bit else "int8") if fit else None
-    table = calibrate(config, quantized)
+    gguf_mlp = None
+    if fit and gguf_path is not None:
+        from specsplit.cloud.engine.gguf_weights import mlp_formats
+
+        gguf_mlp = mlp_formats(gguf_path, config)
+    if not fit:
+        quantized = None
+    elif gguf_mlp is not None:
+        quantized = "gguf"
+    else:
+        quantized = "int4" if four_bit else "int8"
+    table = calibrate(config, quantized, gguf_mlp)
     best = min(table, key=lambda fmt: sum(table[fmt].values()))
     log.info(
         "target weights by calibration (one layer's MLP, ms at %s rows): %s -> %s",

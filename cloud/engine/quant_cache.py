@@ -4,11 +4,13 @@ Quantising the 1.5B target (finding each 4-bit group's own grid) takes about a m
 core; every Triton start (tests, a supervisor's restart, a replica) would pay it. The result is
 stored under ``cache_dir()/quantized/<key>.pt`` and loaded with mmap, in the natural layout
 (``cloud.engine.kernel_layouts``): whichever kernel the CPU runs packs it at load. The key covers
-everything the result depends on: the model's weight files (name, size, mtime), the format, and
-the source of the quantiser (``cloud.engine.quantized``); a changed file or quantiser makes a new
-entry. A change to the kernels or their layouts alone keeps the entry.
+everything the result depends on: the model's config and weight files (by content, so a copied
+cache still finds its entries), the format, and the source of the quantiser
+(``cloud.engine.quantized``); a changed file or quantiser makes a new entry. A change to the
+kernels or their layouts alone keeps the entry.
 An entry is ~1.2 GB for the 1.5B target, so saving one removes the older entries of the same
-model directory and format (the key's first part), which no load can ask for again.
+model and format (the key's first part), which no load can ask for again. A GGUF source served
+at its own widths (``--weights gguf``) keeps no entry: its blocks convert in seconds.
 """
 
 from __future__ import annotations
@@ -28,16 +30,33 @@ from specsplit.shared.steps import cache_dir, locked
 log = logging.getLogger(__name__)
 
 
+_SAMPLE = 1 << 20  # bytes read at the start, middle and end of each weight file
+
+
+def _fingerprint(path: Path) -> str:
+    """A weight file's size and the sha256 of three 1 MiB samples: its content, cheaply, and
+    the same wherever the file is copied (a path or an mtime would not be)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        for at in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+            fh.seek(at)
+            digest.update(fh.read(_SAMPLE))
+    return digest.hexdigest()
+
+
 def key(model_dir: str | Path, weights: str, four_bit: bool) -> str:
-    """``<model dir and format>-<weight files and quantiser>``: the first part names the slot
-    a newer entry replaces."""
+    """``<model and format>-<weight files and quantiser>``: the first part names the slot a
+    newer entry replaces. Both come from content (the config, samples of the weight files), so a
+    model directory or cache copied to another path finds its entry."""
     model_dir = Path(model_dir).resolve()
+    config = (model_dir / "config.json").read_bytes()
     files = sorted(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        (p.name, _fingerprint(p))
         for p in model_dir.iterdir()
-        if p.suffix in (".safetensors", ".bin", ".json")
+        if p.suffix in (".safetensors", ".bin")
     )
-    slot = hashlib.sha256(json.dumps([str(model_dir), weights, four_bit]).encode()).hexdigest()
+    slot = hashlib.sha256(config + json.dumps([weights, four_bit]).encode()).hexdigest()
     quantiser = Path(quantized.__file__).read_bytes()
     facts = hashlib.sha256(json.dumps(files).encode() + quantiser).hexdigest()
     return f"{slot[:12]}-{facts[:12]}"

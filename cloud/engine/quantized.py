@@ -18,7 +18,7 @@ import logging
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine import decoder
+from specsplit.cloud.engine import decoder, formats
 
 log = logging.getLogger(__name__)
 
@@ -114,55 +114,54 @@ def grid_share(w: torch.Tensor, rows: int = 256) -> float:
 
 class QuantLinear:
     """y = x @ [W_1; W_2; ...].T + b: the linears that read one input (q/k/v, gate/up) fused
-    into one output. Each part is one matmul over consecutive linears of one format: (bits,
-    tensors) in the natural layout (``kernel_layouts``), until ``pack`` puts them in the
-    kernel's layout for ``__call__``."""
+    into one output. Each part is one matmul over consecutive linears of one weight format:
+    (format, tensors) in the natural layout (``cloud.engine.formats``), until ``pack`` puts them
+    in the kernel's layout for ``__call__``."""
 
-    def __init__(self, parts: list[tuple[int, tuple[torch.Tensor, ...]]], bias=None):
+    def __init__(self, parts: list[tuple[str, tuple[torch.Tensor, ...]]], bias=None):
         self.parts, self.bias = parts, bias
-        self.bits = [bits for bits, _ in parts]
+        self.formats = [fmt for fmt, _ in parts]
         self.kernel_parts: list[kernels.KernelWeights] = []
 
     def pack(self, kernel: str | None = None) -> None:
         """Puts the weights in the layout of ``kernel`` [this CPU's] and lets the natural ones
         go (``state`` is no longer available)."""
-        self.kernel_parts = [kernels.pack(bits, tensors, kernel) for bits, tensors in self.parts]
+        backend = kernel or kernels.backend()
+        self.kernel_parts = [formats.pack(fmt, backend, tensors) for fmt, tensors in self.parts]
         self.parts = []
+
+    @classmethod
+    def fuse(cls, members: list[tuple[str, tuple[torch.Tensor, ...]]], bias=None) -> QuantLinear:
+        """Linears that read one input, each (format, natural tensors): consecutive members of
+        one format become one matmul (their tensors concatenated along the output columns)."""
+        parts: list[tuple[str, tuple[torch.Tensor, ...]]] = []
+        for fmt, tensors in members:
+            if parts and parts[-1][0] == fmt:
+                prev = parts[-1][1]
+                tensors = tuple(torch.cat([a, b]) for a, b in zip(prev, tensors, strict=True))
+                parts[-1] = (fmt, tensors)
+            else:
+                parts.append((fmt, tensors))
+        return cls(parts, bias)
 
     @classmethod
     def quantize(
         cls, linears: list[torch.nn.Linear], bits: list[int], recover_grid: bool = False
     ) -> QuantLinear:
-        parts = []
-        i = 0
-        while i < len(linears):
-            j = i
-            while j < len(linears) and bits[j] == bits[i]:
-                j += 1
-            weight = torch.cat([lin.weight.detach().float() for lin in linears[i:j]])
-            four = bits[i] == 4
-            parts.append(
-                (bits[i], quantize_int4(weight, recover_grid) if four else quantize_int8(weight))
-            )
-            i = j
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat(
-                [
-                    torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float()
-                    for lin in linears
-                ]
-            )
-        return cls(parts, bias)
+        members = [
+            (f"int{b}", quantize_float(lin.weight, b, recover_grid))
+            for lin, b in zip(linears, bits, strict=True)
+        ]
+        return cls.fuse(members, fused_bias(linears))
 
     def state(self) -> dict:
         if not self.parts:
             raise RuntimeError("a packed QuantLinear keeps no natural-layout weights")
-        return {"parts": [[bits, list(t)] for bits, t in self.parts], "bias": self.bias}
+        return {"parts": [[fmt, list(t)] for fmt, t in self.parts], "bias": self.bias}
 
     @classmethod
     def from_state(cls, state: dict) -> QuantLinear:
-        return cls([(bits, tuple(t)) for bits, t in state["parts"]], state["bias"])
+        return cls([(fmt, tuple(t)) for fmt, t in state["parts"]], state["bias"])
 
     @property
     def nbytes(self) -> int:
@@ -173,9 +172,27 @@ class QuantLinear:
     def __call__(self, x: kernels.QuantizedRows) -> torch.Tensor:
         if not self.kernel_parts:
             self.pack(x.backend)
-        outs = [kernels.gemm(x, w) for w in self.kernel_parts]
+        outs = [formats.gemm(x, w) for w in self.kernel_parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias
+
+
+def quantize_float(weight: torch.Tensor, bits: int, recover_grid: bool = False) -> tuple:
+    """A float weight [N, K] in our int8 or int4 format (natural layout)."""
+    w = weight.detach().float()
+    return quantize_int4(w, recover_grid) if bits == 4 else quantize_int8(w)
+
+
+def fused_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The fused output's bias (zeros for members without one), or None if none has one."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat(
+        [
+            torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float()
+            for lin in linears
+        ]
+    )
 
 
 def layer_projections(layer) -> list[torch.nn.Linear]:

@@ -124,18 +124,25 @@ def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
 
     check_weights(weights)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    gguf_path = None
+    if weights in ("auto", "gguf") and device.type == "cpu":
+        from specsplit.cloud.engine.gguf_weights import source_gguf
+
+        gguf_path = source_gguf(model_dir)
     four_bit = False
-    if weights in ("auto", "int4") and device.type == "cpu":
+    if weights in ("auto", "int4") and device.type == "cpu" and gguf_path is None:
         from specsplit.cloud.engine.quantized import four_bit_source, projections
 
         four_bit = four_bit_source(projections(model))
-    fmt, torch_dtype = choose(weights, dtype, device, model.config, four_bit)
+    fmt, torch_dtype = choose(weights, dtype, device, model.config, four_bit, gguf_path)
     if fmt != "float":
         from specsplit.cloud.engine import quant_cache
         from specsplit.cloud.engine.kernel_forward import KernelForward
 
-        cache_key = quant_cache.key(model_dir, fmt, four_bit)
-        return KernelForward(model, fmt, four_bit, cache_key), fmt, torch_dtype
+        # the GGUF's blocks convert in seconds: nothing worth keeping on disk
+        cache_key = "" if fmt == "gguf" else quant_cache.key(model_dir, fmt, four_bit)
+        forward = KernelForward(model, fmt, four_bit, cache_key, gguf_path)
+        return forward, fmt, torch_dtype
     model = model.to(device=device, dtype=torch_dtype)
     if device.type == "cpu" and torch_dtype == torch.float32 and packed_linear:
         from specsplit.cloud.engine.packed_linear import pack_linears

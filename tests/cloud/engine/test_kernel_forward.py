@@ -226,6 +226,30 @@ def test_quantised_weights_are_kept_and_reloaded(tiny_dir, tmp_path, monkeypatch
     assert torch.equal(*logits)
 
 
+def _change_a_weight(model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1.0
+    model.save_pretrained(model_dir)
+
+
+def test_the_key_follows_content_not_the_path(tiny_dir, tmp_path):
+    """A model directory (or a whole cache) copied elsewhere finds its entries; a changed
+    weight file does not."""
+    import shutil
+
+    from specsplit.cloud.engine import quant_cache
+
+    copy = shutil.copytree(tiny_dir, tmp_path / "elsewhere" / "model")
+    assert quant_cache.key(copy, "int4", False) == quant_cache.key(tiny_dir, "int4", False)
+    assert quant_cache.key(copy, "int8", False) != quant_cache.key(copy, "int4", False)
+    _change_a_weight(copy)
+    changed, before = quant_cache.key(copy, "int4", False), quant_cache.key(tiny_dir, "int4", False)
+    assert changed != before and changed.split("-")[0] == before.split("-")[0]
+
+
 def test_a_new_entry_replaces_the_outdated_ones_of_its_model_and_format(
     tiny_dir, tmp_path, monkeypatch
 ):
@@ -241,7 +265,7 @@ def test_a_new_entry_replaces_the_outdated_ones_of_its_model_and_format(
     int4 = quant_cache.key(tiny_dir, "int4", False)
     outdated = tmp_path / "quantized" / f"{int4.split('-')[0]}-000000000000.pt"
     outdated.write_bytes(b"an entry of an older quantiser")
-    (tiny_dir / "config.json").touch()  # a changed weight file: a new key for the same slot
+    _change_a_weight(tiny_dir)  # a changed weight file: a new key for the same slot
     TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
     after = {p.name for p in (tmp_path / "quantized").glob("*.pt")}
     assert not outdated.exists() and f"{int4}.pt" not in after
