@@ -126,9 +126,11 @@ def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     gguf_path = None
     if weights in ("auto", "gguf") and device.type == "cpu":
-        from specsplit.cloud.engine.gguf_weights import source_gguf
+        from specsplit.cloud.engine.gguf_weights import mlp_formats, source_gguf
 
         gguf_path = source_gguf(model_dir)
+        if weights == "auto" and gguf_path and mlp_formats(gguf_path, model.config) is None:
+            gguf_path = None  # its MLP is in no kernel format: auto chooses as for a float copy
     four_bit = False
     if weights in ("auto", "int4") and device.type == "cpu" and gguf_path is None:
         from specsplit.cloud.engine.quantized import four_bit_source, projections
