@@ -150,10 +150,11 @@ class GgufWeights:
 
 class Embedding:
     """Token embedding rows dequantised from the file's blocks on lookup (float32), so the
-    process never holds the whole table in float."""
+    process never holds the whole table in float. The blocks are copied out of the file's
+    mapping, which is then let go (its pages read at load would count in memory otherwise)."""
 
     def __init__(self, tensor: Tensor):
-        self.tensor = tensor
+        self.tensor = Tensor(tensor.name, tensor.format, np.array(tensor.raw))
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         index = ids.numpy().astype(np.int64)

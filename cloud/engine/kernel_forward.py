@@ -108,6 +108,8 @@ def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
             dataclasses.replace(w, tensors=tuple(next(moved) for _ in w.tensors))
             for w in lin.kernel_parts
         ]
+    del tensors, moved  # the packed copies outside the mapping: freed, handed back
+    release_freed_memory()
 
 
 def _embedding(gguf: GgufWeights | None, module) -> Embedding | None:
@@ -125,12 +127,24 @@ def _embedding(gguf: GgufWeights | None, module) -> Embedding | None:
 
 
 def _release_float_weights(model, drop_embedding: bool) -> None:
-    """Lets go of the float weights the kernels do not read (the projections went in
-    ``_Layer``; the LM head, and the embedding where the GGUF serves it) and hands the freed
-    memory back to the system, so the process holds about the served bytes."""
+    """Lets go of the float weights the kernels do not read (the projections, the LM head, and
+    the embedding where the GGUF serves it), copies the few that
+    stay (norms, biases, the embedding otherwise) out of the weight file's mapping, and hands
+    the freed memory back to the system: the loader's tensors are views of one mapping of the
+    whole file, whose pages count in the process's memory until the last view is gone."""
+    for layer in model.model.layers:
+        for members in _groups(layer).values():
+            for name in members:
+                setattr(decoder.owner(layer, name), name, None)
     model.lm_head.weight = None
     if drop_embedding:
         model.model.embed_tokens.weight = None
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    param.detach().clone(), requires_grad=False
+                )
     gc.collect()
     release_freed_memory()
 
@@ -152,9 +166,6 @@ class _Layer:
         qk = decoder.qk_norms(layer)
         self.qk_norms = None if qk is None else (params(qk[0]), params(qk[1]))
         self.act = decoder.mlp_activation(layer)
-        for members in _groups(layer).values():  # the float weights are no longer needed
-            for name in members:
-                setattr(decoder.owner(layer, name), name, None)
 
     @property
     def linears(self) -> list[QuantLinear]:
@@ -204,16 +215,16 @@ class KernelForward:
                 quant_cache.save(cache_key, layers, lm_head)
         else:
             layers, lm_head = state
+        self.embed_rows = _embedding(gguf, inner.embed_tokens)
+        _release_float_weights(model, drop_embedding=self.embed_rows is not None)
         self.layers = [
             _Layer(layer, q, config) for layer, q in zip(inner.layers, layers, strict=True)
         ]
         self.lm_head = lm_head
         self.embed = inner.embed_tokens
-        self.embed_rows = _embedding(gguf, inner.embed_tokens)
         self.norm = decoder.rms_norm_params(inner.norm, config)
         inner.rotary_emb.float()  # tables in float32; the embedding keeps its dtype (_embed)
         self.rotary = decoder.Rotary(inner, config)
-        _release_float_weights(model, drop_embedding=self.embed_rows is not None)
         _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         self.bytes = sum(lin.nbytes for lin in linears)

@@ -161,7 +161,12 @@ class QuantLinear:
 
     @classmethod
     def from_state(cls, state: dict) -> QuantLinear:
-        return cls([(fmt, tuple(t)) for fmt, t in state["parts"]], state["bias"])
+        """From ``state`` (as ``quant_cache`` maps it from its file): the bias is copied out,
+        so that once the weights are packed nothing keeps the file's mapping alive."""
+        bias = state["bias"]
+        return cls(
+            [(fmt, tuple(t)) for fmt, t in state["parts"]], None if bias is None else bias.clone()
+        )
 
     @property
     def nbytes(self) -> int:
