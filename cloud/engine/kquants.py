@@ -129,10 +129,8 @@ def from_gguf(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, ...]:
     q = q.reshape(nb, SUPER)
     if fmt == "q5_k":  # bit 4 of element 32s + i: qh[i] >> s
         qh = blocks[:, 16:48]
-        q = q | (
-            ((qh.reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
-        )
-        q = q.reshape(nb, SUPER)
+        bit = (qh.reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q = q | (bit.reshape(nb, SUPER) << 4)
     q = torch.from_numpy(np.ascontiguousarray(q).reshape(n, -1))
     planes = (_pack_levels(q),) + ((_pack_bits(q >> 4, 1),) if fmt == "q5_k" else ())
     return (
