@@ -17,4 +17,33 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* ---- K-quants (cpu_kquants.c; cloud/engine/kquants.py builds these and the layouts) ---- */
+
+/* Activations, as cloud/engine/cpu_kernels.py's QuantizedRows holds them, plus q6_k's sums per
+   16 values (kquants.sums16; NULL for the other formats). */
+typedef struct {
+    int64_t m, k;
+    const int8_t *xq;      /* [m, k], the kernel's layout */
+    const float *xs;       /* [m, k / 256] */
+    const int16_t *xsum;   /* [m, k / 32] */
+    const void *xsum16;    /* avx2: int16 [m, k / 256, 16]; vnni: int32 [m, k / 16] */
+} specsplit_kq_rows;
+
+/* One matmul's K-quant weights in a kernel's layout (cpu_kquants.c's header). */
+typedef struct {
+    int32_t fmt;           /* 0 q4_k, 1 q5_k, 2 q6_k */
+    int64_t n;             /* output columns */
+    const uint8_t *ql;     /* low 4 bits of the levels */
+    const uint8_t *qh;     /* q5_k: bit 4; q6_k: bits 4, 5; NULL for q4_k */
+    const void *sc;        /* uint8 (q4_k, q5_k) or int8 (q6_k) sub-block scales */
+    const uint16_t *d;     /* float16 super-block scales */
+    const uint8_t *mn;     /* q4_k, q5_k: uint8 mins; else NULL */
+    const uint16_t *dm;    /* q4_k, q5_k: float16 super-block mins; else NULL */
+} specsplit_kq_weights;
+
+void specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_weights *w, float *out,
+                       int nt);
+void specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
+                            float *out, int nt);
+
 #endif
