@@ -103,7 +103,7 @@ def test_edge_extra_works_without_torch(dist, cloud, tiny, tmp_path):
     r = run(
         bin_dir / "specsplit-edge", "generate", "--prompt", "hi", cwd=tmp_path, env=env, check=False
     )
-    assert r.returncode == 2 and "specsplit[export]" in r.stderr, r.stderr
+    assert r.returncode == 2 and "pip install -e '.[export]'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
