@@ -136,7 +136,11 @@ def target_report(log_text: str) -> list[str]:
 
 
 def _print_target_report(servers: list[TritonServer], args: argparse.Namespace) -> None:
-    asked = "chosen by --weights" if args.weights != "auto" else "--dtype given: the float path"
+    asked = (
+        f"--weights {args.weights} asked for it (or $SPECSPLIT_TARGET_WEIGHTS)"
+        if args.weights != "auto"
+        else f"--dtype {args.dtype} asks for the float path"
+    )
     for s in servers:
         try:
             lines = target_report(s.log_path.read_text(errors="replace"))
