@@ -20,7 +20,7 @@ from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.security import Security, load_tokens
 from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
-from specsplit.shared.cli_help import HelpFormatter, add_version
+from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
 from specsplit.shared.steps import install_hint
 from specsplit.shared.weights.sources import TARGET_DEFAULT, SourceError, resolve_model
 
@@ -113,11 +113,11 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
 def _per_client(args: argparse.Namespace) -> int | None:
     """The per-client quota: the flag's value, 0 off; by default a quarter of the places, so
     one client (token or address) can hold no more than that, however many streams it opens."""
-    if args.sessions_per_token is None:
+    if args.sessions_per_client is None:
         return max(1, args.max_sessions // 4)
-    if args.sessions_per_token < 0:
-        raise ValueError("--sessions-per-token must be >= 0")
-    return args.sessions_per_token or None
+    if args.sessions_per_client < 0:
+        raise ValueError("--sessions-per-client (was --sessions-per-token) must be >= 0")
+    return args.sessions_per_client or None
 
 
 # What the target reports at load about its weights (cloud.engine.precision, cpu_kernels,
@@ -167,7 +167,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError("--metrics-port must be in [0, 65535]")
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
-    identity = ModelIdentity.from_dir(target, name=args.model_name)
+    identity = ModelIdentity.from_dir(target, name=args.target_name)
     admission = _admission(args, target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -277,7 +277,12 @@ def _parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
     )
     s.add_argument("--metrics-host", help="address the metrics port binds (default: --host)")
-    s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
+    s.add_argument(
+        "--target-name",
+        help="the name clients give in Start.model (specsplit-edge serve --target-name) "
+        "(default: the target directory's name)",
+    )
+    deprecated_alias(s, "--model-name", "--target-name")
     s.add_argument(
         "--threads", type=int, help="torch threads for the target (default: torch's choice)"
     )
@@ -299,12 +304,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
     s.add_argument(
-        "--sessions-per-token",
+        "--sessions-per-client",
         type=int,
         help="concurrent streams one bearer token may hold (without --auth-tokens: one client "
         "address; loopback clients are not counted); 0: no quota (default: a quarter of "
         "--max-sessions)",
     )
+    deprecated_alias(s, "--sessions-per-token", "--sessions-per-client", type=int)
     s.add_argument(
         "--kv-budget-mib",
         type=float,

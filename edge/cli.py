@@ -18,7 +18,7 @@ from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.cli_help import HelpFormatter, add_version
+from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.weights.wheels import SourceError
 
@@ -184,11 +184,13 @@ def _serve(args) -> int:
     cfg = ServeConfig(
         server=args.server,
         draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision),
-        model_name=args.model_name or args.model or "specsplit",
+        model_name=args.served_model_name or args.target_name or "specsplit",
         mode=args.mode,
         concurrency=args.concurrency,
         generation=GenerationConfig(
-            draft_tokens=args.draft_tokens, model=args.model, retry_window_s=args.retry_window
+            draft_tokens=args.draft_tokens,
+            model=args.target_name,
+            retry_window_s=args.retry_window,
         ),
         threads=args.threads,
         client=dict(token=args.token, **tls),
@@ -208,8 +210,10 @@ def _pull(args) -> int:
 def _export(args) -> int:
     from specsplit.edge.export.exporter import export_onnx
 
+    if args.draft is None:
+        raise SystemExit("specsplit-edge export: --draft DIR (the Hugging Face model) is required")
     out = export_onnx(
-        Path(args.model),
+        Path(args.draft),
         Path(args.out),
         precision=args.precision,
         progress=True,
@@ -296,10 +300,17 @@ def _add_serve_parser(sub) -> None:
         help="the largest k (tokens drafted per round); k adapts per round "
         f"(default {DRAFT_TOKENS})",
     )
-    s.add_argument("--model", default="", help="target model name at the cloud (default: its own)")
     s.add_argument(
-        "--model-name", help="the model id /v1/models lists (default: --model, else specsplit)"
+        "--target-name",
+        default="",
+        help="the target's name at the cloud, as its serve --target-name (default: its own)",
     )
+    deprecated_alias(s, "--model", "--target-name")
+    s.add_argument(
+        "--served-model-name",
+        help="the model id /v1/models lists (default: --target-name, else specsplit)",
+    )
+    deprecated_alias(s, "--model-name", "--served-model-name")
     s.add_argument(
         "--retry-window",
         type=float,
@@ -397,7 +408,8 @@ def _parser() -> argparse.ArgumentParser:
         help="Hugging Face causal LM -> ONNX draft with a KV cache",
         formatter_class=HelpFormatter,
     )
-    e.add_argument("--model", required=True, help="Hugging Face model directory")
+    e.add_argument("--draft", help="the draft's Hugging Face model directory (required)")
+    deprecated_alias(e, "--model", "--draft")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument(
         "--precision",

@@ -60,7 +60,7 @@ def test_generate_json(cloud, tiny, mode):
 
 
 def test_export_writes_a_loadable_draft(tiny, tmp_path):
-    r = edge("export", "--model", str(tiny.draft), "--out", str(tmp_path / "d"), timeout=300)
+    r = edge("export", "--draft", str(tiny.draft), "--out", str(tmp_path / "d"), timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "d" / "model.onnx").is_file()
 

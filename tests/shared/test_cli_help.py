@@ -46,7 +46,7 @@ def test_both_clis_print_their_version(prog, capsys):
 
 def test_export_precision_defaults_to_the_other_commands_default():
     for command in ("export", "pull", "generate", "serve"):
-        args = ["--model", "m", "--out", "o"] if command == "export" else []
+        args = ["--draft", "m", "--out", "o"] if command == "export" else []
         args += ["--prompt-ids", "1"] if command == "generate" else []
         parsed = edge_cli._parser().parse_args([command, *args])
         assert parsed.precision == DEFAULT_PRECISION == "int4", command
@@ -76,3 +76,32 @@ assert rc == 1, rc
     assert r.returncode == 0, r.stderr
     assert "--weights" in r.stdout and "Traceback" not in r.stderr
     assert "pip install -e '.[cloud]'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "prog, argv, dest, value",
+    [
+        ("specsplit-edge", ["export", "--model", "d", "--out", "o"], "draft", "d"),
+        ("specsplit-edge", ["serve", "--model", "t"], "target_name", "t"),
+        ("specsplit-edge", ["serve", "--model-name", "api"], "served_model_name", "api"),
+        ("specsplit-cloud", ["serve", "--model-name", "t"], "target_name", "t"),
+        ("specsplit-cloud", ["serve", "--sessions-per-token", "3"], "sessions_per_client", 3),
+    ],
+)
+def test_old_flag_names_still_work_with_a_warning_naming_the_new_one(
+    prog, argv, dest, value, capsys
+):
+    args = PARSERS[prog]().parse_args(argv)
+    assert getattr(args, dest) == value
+    err = capsys.readouterr().err
+    old = next(a for a in argv if a.startswith("--") and a != "--out")
+    new = "--" + dest.replace("_", "-")
+    assert f"{old} is deprecated" in err and f"use {new}" in err
+    assert f"{old} " not in subcommands(PARSERS[prog]())[argv[0]].format_help()
+
+
+def test_new_names_leave_the_old_defaults_alone():
+    edge = edge_cli._parser().parse_args(["serve"])
+    assert (edge.target_name, edge.served_model_name) == ("", None)
+    cloud = cloud_cli._parser().parse_args(["serve"])
+    assert (cloud.target_name, cloud.sessions_per_client) == (None, None)
