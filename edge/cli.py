@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from grpc import StatusCode
+import grpc
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
@@ -22,7 +22,7 @@ from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_ali
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.weights.wheels import SourceError
 
-UNAVAILABLE = StatusCode.UNAVAILABLE
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 VERIFICATION = {
     "auto": None,
     "rejection": VerificationMode.REJECTION,
@@ -95,30 +95,47 @@ def _no_cloud(server: str, waited_s: float) -> str:
     )
 
 
+# grpc.health.v1.Health/Check with an empty HealthCheckRequest (the whole server), as bytes: the
+# edge extra has no grpc_health package, and the gateway answers it without a token.
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
 async def _wait_for_cloud(args) -> None:
     """An edge started before its cloud says at once what it waits for, then waits up to
-    --retry-window for the gateway to listen (``specsplit-cloud serve`` opens its port only once
-    the target is loaded), instead of failing later with a bare gRPC error."""
+    --retry-window for the gateway to answer (``specsplit-cloud serve`` opens its port only once
+    the target is loaded), instead of failing later with a bare gRPC error. A TLS mismatch is
+    no outage: it fails at once, with the flags to check (edge.retry.HANDSHAKE_HINT)."""
     from specsplit.edge.channel import open_channel
+    from specsplit.edge.retry import HANDSHAKE_HINT, refused_at_handshake
 
     tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     channel = open_channel(args.server, **tls)
+    check = channel.unary_unary(HEALTH_CHECK)  # bytes in, bytes out
+    deadline, announced = time.monotonic() + args.retry_window, False
     try:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(channel.channel_ready(), 1.0)
-            return
-        print(
-            f"specsplit-edge: waiting for `specsplit-cloud serve` at {args.server} (up to "
-            f"{args.retry_window:g} s more, --retry-window): check that serve runs and has printed "
-            "'ready', and that --server names its HOST:PORT",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            await asyncio.wait_for(channel.channel_ready(), args.retry_window)
-        except asyncio.TimeoutError:
-            waited = 1 + args.retry_window
-            raise SpecsplitError(UNAVAILABLE, _no_cloud(args.server, waited)) from None
+        while True:
+            try:
+                await check(b"", timeout=2.0)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return  # something answered: the generation reports what it says
+                if refused_at_handshake(e):
+                    raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = args.retry_window
+                raise SpecsplitError(UNAVAILABLE, _no_cloud(args.server, waited)) from None
+            if not announced:
+                announced = True
+                print(
+                    f"specsplit-edge: waiting for `specsplit-cloud serve` at {args.server} (up "
+                    f"to {args.retry_window:g} s, --retry-window): check that serve runs and has "
+                    "printed 'ready', and that --server names its HOST:PORT",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            await asyncio.sleep(min(1.0, left))
     finally:
         await channel.close()
 

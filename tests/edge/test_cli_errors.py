@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge import cli
+from specsplit.edge.retry import HANDSHAKE_HINT
+from specsplit.shared.tiny import reference_greedy
 from specsplit.shared.weights.wheels import SourceError
 
 EDGE = str(Path(sys.executable).parent / "specsplit-edge")  # the installed console script
@@ -35,6 +39,40 @@ def test_an_edge_started_before_its_cloud_says_what_it_waits_for():
     assert "--server" in waiting and "ready" in waiting
     assert f"no cloud answered at {server}" in failed and "--server" in failed
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_an_edge_started_before_its_cloud_generates_once_the_cloud_is_ready(tiny, tmp_path):
+    port = _unused_port()
+    args = ["generate", "--server", f"127.0.0.1:{port}", "--mode", "cloud-only", "--json"]
+    args += ["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--retry-window", "600"]
+    edge = subprocess.Popen(
+        [EDGE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert "waiting for `specsplit-cloud serve`" in edge.stderr.readline()
+        with CloudProcess("--target", str(tiny.target), "--port", str(port), log_dir=tmp_path):
+            out, err = edge.communicate(timeout=600)
+        assert edge.returncode == 0, err
+        assert json.loads(out)["token_ids"] == reference_greedy(tiny.target, [1, 2, 3], 4)
+    finally:
+        if edge.poll() is None:
+            edge.kill()
+            edge.communicate()
+
+
+@pytest.mark.slow
+def test_a_tls_mismatch_is_reported_not_waited_out(cloud):
+    """TLS to the plaintext test cloud: the handshake fails, which waiting cannot mend."""
+    args = ["generate", "--server", cloud.address, "--tls", "--mode", "cloud-only"]
+    r = subprocess.run(
+        [EDGE, *args, "--prompt-ids", "1,2", "--retry-window", "600"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and HANDSHAKE_HINT in r.stderr, r.stderr
+    assert "waiting for" not in r.stderr
 
 
 @pytest.mark.parametrize(
