@@ -432,7 +432,7 @@ def _parser() -> argparse.ArgumentParser:
         "--precision",
         choices=PRECISIONS,
         default=DEFAULT_PRECISION,
-        help="weight format of the export (the other commands' default too)",
+        help="weight format of the export, as for the other commands",
     )
     e.add_argument(
         "--head-vocab",

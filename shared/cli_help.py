@@ -17,7 +17,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
-        if "default" in help or action.default in (None, False, argparse.SUPPRESS):
+        if "(default" in help or action.default in (None, False, argparse.SUPPRESS):
             return help
         if not action.option_strings:
             return help

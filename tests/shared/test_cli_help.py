@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -32,7 +33,11 @@ def test_every_flag_has_help_and_shows_its_default(prog):
             assert action.help, f"{flag} has no help"
             if action.default not in (None, False, argparse.SUPPRESS):
                 shown = formatter._expand_help(action)
-                assert "default" in shown, f"{flag}: its default is not shown: {shown}"
+                assert "(default" in shown, f"{flag}: its default is not shown: {shown}"
+                written = re.search(r"\(default:? (\d+(?:\.\d+)?)( MiB)?[ ;)]", shown)
+                if written:  # a default written into the help by hand is the real one
+                    value = float(written[1]) * (2**20 if written[2] else 1)
+                    assert value == action.default, f"{flag}: {shown}"
 
 
 @pytest.mark.parametrize("prog", PARSERS)
