@@ -29,7 +29,7 @@ setup: $(STAMP)
 # proto/specsplit/v1/ (gitignored): a changed .proto re-runs it.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml setup.py $(PROTO_SRC)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "setup: '$(PYTHON) -m venv' failed:" \
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "setup: '$(PYTHON) -m venv' failed:" \
 		"on Debian/Ubuntu install python3-venv (apt install python3-venv)"; exit 1; }
 	$(PIP) install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PIP) install --quiet --timeout 5 --retries 0 --index-url $(TORCH_INDEX) \
