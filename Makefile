@@ -20,13 +20,24 @@ K ?= 4
 
 setup: $(STAMP)
 
-# torch goes first and pinned, so pip never resolves a multi-GB CUDA torch on a CPU machine.
+# torch goes first and pinned, from PyTorch's CPU index: the default index's Linux x86-64 torch is
+# the CUDA build, with several GB of nvidia wheels. Where that index is unreachable (a mirror-only
+# network), pip gives up on it within seconds (--timeout 5 --retries 0) and the default index
+# serves torch; either way setup prints which build it got. TORCH_INDEX= (empty) skips the CPU
+# index, TORCH_INDEX=https://download.pytorch.org/whl/cu128 takes a CUDA build.
 # The editable install runs the build hook in setup.py, which generates the gRPC stubs into
 # proto/specsplit/v1/ (gitignored): a changed .proto re-runs it.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml setup.py $(PROTO_SRC)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "setup: '$(PYTHON) -m venv' failed:" \
+		"on Debian/Ubuntu install python3-venv (apt install python3-venv)"; exit 1; }
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(if $(TORCH_INDEX),$(PIP) install --quiet --timeout 5 --retries 0 --index-url $(TORCH_INDEX) \
+		torch==$(TORCH_VERSION) || { echo "setup: no torch from $(TORCH_INDEX) (unreachable?): from the" \
+		"default index instead"; $(PIP) install --quiet torch==$(TORCH_VERSION); },\
+		$(PIP) install --quiet torch==$(TORCH_VERSION))
+	@$(PY) -c 'import torch; c = torch.version.cuda; print("setup: torch", torch.__version__, \
+		f"(CUDA {c} build: several GB; make setup TORCH_INDEX=... picks another)" if c else "(CPU build)")'
 	$(PIP) install --quiet -e '.[edge,export,cloud,dev]'
 	touch $@
 

@@ -8,19 +8,20 @@ import contextlib
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 
+# Only what parsing needs is imported here, so `specsplit-cloud --help` works on an install
+# without the cloud extra; serve() imports the gateway (tritonclient, prometheus_client).
 from specsplit.cloud.gateway.admission import RECLAIM_AFTER_S, Admission
 from specsplit.cloud.gateway.limits import GatewayLimits
-from specsplit.cloud.gateway.metrics import serve_metrics
-from specsplit.cloud.gateway.replicas import parse_urls
 from specsplit.cloud.gateway.security import Security, load_tokens
-from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
 from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
-from specsplit.cloud.supervision.supervisor import TritonSupervisor
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
+from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
+from specsplit.shared.steps import install_hint
 from specsplit.shared.weights.sources import TARGET_DEFAULT, SourceError, resolve_model
 
 log = logging.getLogger("specsplit.cloud")
@@ -75,6 +76,8 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
 def _start_metrics(args: argparse.Namespace, registry):
     if args.metrics_port is None:
         return None
+    from specsplit.cloud.gateway.metrics import serve_metrics
+
     host = args.metrics_host or args.host
     server = serve_metrics(registry, host, args.metrics_port)
     print(f"metrics on http://{host}:{server.server_port}/metrics", flush=True)
@@ -112,14 +115,50 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
 def _per_client(args: argparse.Namespace) -> int | None:
     """The per-client quota: the flag's value, 0 off; by default a quarter of the places, so
     one client (token or address) can hold no more than that, however many streams it opens."""
-    if args.sessions_per_token is None:
+    if args.sessions_per_client is None:
         return max(1, args.max_sessions // 4)
-    if args.sessions_per_token < 0:
-        raise ValueError("--sessions-per-token must be >= 0")
-    return args.sessions_per_token or None
+    if args.sessions_per_client < 0:
+        raise ValueError("--sessions-per-client (was --sessions-per-token) must be >= 0")
+    return args.sessions_per_client or None
+
+
+# What the target reports at load about its weights (cloud.engine.precision, cpu_kernels,
+# target), read back from its tritonserver's log: the format chosen, the calibration behind it,
+# why the kernels were missing.
+_REPORTED = re.compile(
+    r" specsplit\.cloud\.engine\.(?:precision|cpu_kernels|target) (?:INFO|WARNING) "
+    r"((?:target weights by calibration|CPU kernels unavailable|target \S+ on ).*)$"
+)
+
+
+def target_report(log_text: str) -> list[str]:
+    """The target's report of its weights' format and why, from a tritonserver log."""
+    found = (_REPORTED.search(line) for line in log_text.splitlines())
+    return [m.group(1) for m in found if m]
+
+
+def _print_target_report(servers: list[TritonServer], args: argparse.Namespace) -> None:
+    asked = (
+        f"--weights {args.weights} asked for it (or $SPECSPLIT_TARGET_WEIGHTS)"
+        if args.weights != "auto"
+        else f"--dtype {args.dtype} asks for the float path"
+    )
+    for s in servers:
+        try:
+            lines = target_report(s.log_path.read_text(errors="replace"))
+        except OSError:
+            lines = []
+        if args.weights != "auto" or args.dtype != "auto":
+            lines.append(f"({asked})")
+        for line in lines or ["(no report in its log)"]:
+            print(f"target {s.url}: {line}", file=sys.stderr, flush=True)
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from specsplit.cloud.gateway.replicas import parse_urls
+    from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
+    from specsplit.cloud.supervision.supervisor import TritonSupervisor
+
     security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
@@ -130,7 +169,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError("--metrics-port must be in [0, 65535]")
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
-    identity = ModelIdentity.from_dir(target, name=args.model_name)
+    identity = ModelIdentity.from_dir(target, name=args.target_name)
     admission = _admission(args, target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -163,6 +202,7 @@ async def serve(args: argparse.Namespace) -> int:
             if not await _start_tritons(servers, stop):
                 return 130
             urls = [s.url for s in servers]
+            _print_target_report(servers, args)
             for s in servers:
                 print(f"triton {s.url} metrics on {s.metrics_url}", file=sys.stderr, flush=True)
             supervisors = [asyncio.create_task(TritonSupervisor(s).run()) for s in servers]
@@ -198,15 +238,24 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit-cloud", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="specsplit-cloud", description=__doc__, formatter_class=HelpFormatter
+    )
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     target_help = (
         "Hugging Face model dir or a default model name "
         f"(default: {DEFAULT_TARGET}, fetched and converted on first use, cached)"
     )
-    s = sub.add_parser("serve", help="start Triton with the target model and the gRPC gateway")
+    s = sub.add_parser(
+        "serve",
+        help="start Triton with the target model and the gRPC gateway",
+        formatter_class=HelpFormatter,
+    )
     s.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument(
+        "--host", default="127.0.0.1", help="gateway address; 0.0.0.0 listens on every interface"
+    )
     s.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
     s.add_argument(
         "--triton-url",
@@ -230,8 +279,15 @@ def _parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
     )
     s.add_argument("--metrics-host", help="address the metrics port binds (default: --host)")
-    s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
-    s.add_argument("--threads", type=int, help="torch threads for the target")
+    s.add_argument(
+        "--target-name",
+        help="the name clients give in Start.model (specsplit-edge serve --target-name) "
+        "(default: the target directory's name)",
+    )
+    deprecated_alias(s, "--model-name", "--target-name")
+    s.add_argument(
+        "--threads", type=int, help="torch threads for the target (default: torch's choice)"
+    )
     s.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -252,12 +308,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-sessions", type=int, default=64, help="concurrent streams (default 64)")
     s.add_argument(
-        "--sessions-per-token",
+        "--sessions-per-client",
         type=int,
         help="concurrent streams one bearer token may hold (without --auth-tokens: one client "
         "address; loopback clients are not counted); 0: no quota (default: a quarter of "
         "--max-sessions)",
     )
+    deprecated_alias(s, "--sessions-per-token", "--sessions-per-client", type=int)
     s.add_argument(
         "--kv-budget-mib",
         type=float,
@@ -301,15 +358,23 @@ def _parser() -> argparse.ArgumentParser:
         help="file of bearer tokens, one a line (# comments): calls must carry one",
     )
     s.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds to wait for Triton"
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for each tritonserver to load the target (raise it for 7B/8B "
+        "targets or a first quantisation)",
     )
     s.add_argument(
         "--triton-log-dir",
         type=Path,
         help="write each tritonserver's log here, kept after stop (default: a temporary dir)",
     )
-    s.add_argument("-v", "--verbose", action="store_true")
-    p = sub.add_parser("pull", help="fetch and convert the target ahead of time (with progress)")
+    s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p = sub.add_parser(
+        "pull",
+        help="fetch and convert the target ahead of time (with progress)",
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
     return parser
 
@@ -327,7 +392,15 @@ def main(argv: list[str] | None = None) -> int:
             print(resolve_model(args.target))
             return 0
         return asyncio.run(serve(args))
-    except (TritonError, SourceError, OSError, ValueError, ImportError) as e:
+    except ImportError as e:  # an install without the cloud extra
+        hint = (
+            ""
+            if "pip install" in str(e)
+            else f"; serve needs the cloud extra: {install_hint('cloud')}"
+        )
+        print(f"specsplit-cloud: {e}{hint}", file=sys.stderr)
+        return 1
+    except (TritonError, SourceError, OSError, ValueError) as e:
         print(f"specsplit-cloud: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -7,7 +7,10 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
+
+import grpc
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
@@ -15,8 +18,11 @@ from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
 from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.weights.wheels import SourceError
 
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 VERIFICATION = {
     "auto": None,
     "rejection": VerificationMode.REJECTION,
@@ -79,6 +85,61 @@ def _codec(args, draft_dir: Path | None):
     return None  # token ids in, token ids out
 
 
+def _no_cloud(server: str, waited_s: float) -> str:
+    return (
+        f"no cloud answered at {server} within {waited_s:g} s. Start it with "
+        "`specsplit-cloud serve` (it prints 'specsplit-cloud ready on HOST:PORT' once it listens; "
+        "a first serve fetches and loads the target, which takes minutes), or point --server at "
+        "the HOST:PORT it printed; a TLS gateway also needs --tls or --tls-ca; "
+        "--retry-window SECONDS waits longer"
+    )
+
+
+# grpc.health.v1.Health/Check with an empty HealthCheckRequest (the whole server), as bytes: the
+# edge extra has no grpc_health package, and the gateway answers it without a token.
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+async def _wait_for_cloud(args) -> None:
+    """An edge started before its cloud says at once what it waits for, then waits up to
+    --retry-window for the gateway to answer (``specsplit-cloud serve`` opens its port only once
+    the target is loaded), instead of failing later with a bare gRPC error. A TLS mismatch is
+    no outage: it fails at once, with the flags to check (edge.retry.HANDSHAKE_HINT)."""
+    from specsplit.edge.channel import open_channel
+    from specsplit.edge.retry import HANDSHAKE_HINT, refused_at_handshake
+
+    tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    channel = open_channel(args.server, **tls)
+    check = channel.unary_unary(HEALTH_CHECK)  # bytes in, bytes out
+    deadline, announced = time.monotonic() + args.retry_window, False
+    try:
+        while True:
+            try:
+                await check(b"", timeout=2.0)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return  # something answered: the generation reports what it says
+                if refused_at_handshake(e):
+                    raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = args.retry_window
+                raise SpecsplitError(UNAVAILABLE, _no_cloud(args.server, waited)) from None
+            if not announced:
+                announced = True
+                print(
+                    f"specsplit-edge: waiting for `specsplit-cloud serve` at {args.server} (up "
+                    f"to {args.retry_window:g} s, --retry-window): check that serve runs and has "
+                    "printed 'ready', and that --server names its HOST:PORT",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            await asyncio.sleep(min(1.0, left))
+    finally:
+        await channel.close()
+
+
 async def _generate(args) -> int:
     config = _config(args)  # bad arguments fail before any model is fetched or loaded
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -91,6 +152,8 @@ async def _generate(args) -> int:
 
         drafter = OnnxDrafter(draft_dir, threads=args.threads)
     server = None if args.mode == "edge-only" else args.server
+    if server is not None:
+        await _wait_for_cloud(args)
     async with SplitClient(
         server,
         drafter,
@@ -138,11 +201,13 @@ def _serve(args) -> int:
     cfg = ServeConfig(
         server=args.server,
         draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision),
-        model_name=args.model_name or args.model or "specsplit",
+        model_name=args.served_model_name or args.target_name or "specsplit",
         mode=args.mode,
         concurrency=args.concurrency,
         generation=GenerationConfig(
-            draft_tokens=args.draft_tokens, model=args.model, retry_window_s=args.retry_window
+            draft_tokens=args.draft_tokens,
+            model=args.target_name,
+            retry_window_s=args.retry_window,
         ),
         threads=args.threads,
         client=dict(token=args.token, **tls),
@@ -162,8 +227,10 @@ def _pull(args) -> int:
 def _export(args) -> int:
     from specsplit.edge.export.exporter import export_onnx
 
+    if args.draft is None:
+        raise SystemExit("specsplit-edge export: --draft DIR (the Hugging Face model) is required")
     out = export_onnx(
-        Path(args.model),
+        Path(args.draft),
         Path(args.out),
         precision=args.precision,
         progress=True,
@@ -201,12 +268,21 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(sub) -> None:
-    s = sub.add_parser("serve", help="serve the OpenAI API (chat, completions) over the split")
+    s = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API (chat, completions) over the split",
+        formatter_class=HelpFormatter,
+    )
     s.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
     _add_connection_args(s)
     _add_draft_args(s)
-    s.add_argument("--mode", choices=("split", "cloud-only"), default="split")
+    s.add_argument(
+        "--mode",
+        choices=("split", "cloud-only"),
+        default="split",
+        help="split: the draft here, the target verifies; cloud-only: the target alone",
+    )
     s.add_argument(
         "--concurrency",
         type=int,
@@ -241,10 +317,17 @@ def _add_serve_parser(sub) -> None:
         help="the largest k (tokens drafted per round); k adapts per round "
         f"(default {DRAFT_TOKENS})",
     )
-    s.add_argument("--model", default="", help="target model name at the cloud (default: its own)")
     s.add_argument(
-        "--model-name", help="the model id /v1/models lists (default: --model, else specsplit)"
+        "--target-name",
+        default="",
+        help="the target's name at the cloud, as its serve --target-name (default: its own)",
     )
+    deprecated_alias(s, "--model", "--target-name")
+    s.add_argument(
+        "--served-model-name",
+        help="the model id /v1/models lists (default: --target-name, else specsplit)",
+    )
+    deprecated_alias(s, "--model-name", "--served-model-name")
     s.add_argument(
         "--retry-window",
         type=float,
@@ -258,13 +341,20 @@ def _add_serve_parser(sub) -> None:
         default=os.environ.get("SPECSPLIT_API_KEY"),
         help="require this key as the OpenAI API key on /v1 (default $SPECSPLIT_API_KEY)",
     )
-    s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("-v", "--verbose", action="store_true", help="log each request")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="specsplit-edge", description=__doc__, formatter_class=HelpFormatter
+    )
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text (split, cloud-only or edge-only)")
+    g = sub.add_parser(
+        "generate",
+        help="generate text (split, cloud-only or edge-only)",
+        formatter_class=HelpFormatter,
+    )
     _add_connection_args(g)
     _add_draft_args(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -275,10 +365,12 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="wrap --prompt in the model's chat template (default: on when the model has one)",
     )
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument(
+        "--max-new-tokens", type=int, default=128, help="at most this many tokens are generated"
+    )
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0 is off")
     g.add_argument(
         "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
     )
@@ -297,8 +389,20 @@ def _parser() -> argparse.ArgumentParser:
         help="lock-step rounds, cloud-led (the cloud never waits for drafts), or auto: "
         "lock-step until its measurements say cloud-led is faster",
     )
-    g.add_argument("--verification", choices=tuple(VERIFICATION), default="auto")
-    g.add_argument("--mode", choices=MODES, default="split")
+    g.add_argument(
+        "--verification",
+        choices=tuple(VERIFICATION),
+        default="auto",
+        help="how the cloud accepts drafts: rejection sampling, or token-only (the draft's "
+        "tokens without q); auto: greedy at temperature 0, else rejection",
+    )
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default="split",
+        help="split: draft here, verify in the cloud; cloud-only: the target alone (the "
+        "baseline); edge-only: the draft alone, no cloud",
+    )
     g.add_argument(
         "--retry-window",
         type=float,
@@ -309,13 +413,27 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_serve_parser(sub)
-    p = sub.add_parser("pull", help="fetch and export the draft ahead of time (with progress)")
+    p = sub.add_parser(
+        "pull",
+        help="fetch and export the draft ahead of time (with progress)",
+        formatter_class=HelpFormatter,
+    )
     _add_draft_args(p)
     p.set_defaults(draft=DEFAULT_DRAFT)
-    e = sub.add_parser("export", help="Hugging Face causal LM -> ONNX draft with a KV cache")
-    e.add_argument("--model", required=True, help="Hugging Face model directory")
+    e = sub.add_parser(
+        "export",
+        help="Hugging Face causal LM -> ONNX draft with a KV cache",
+        formatter_class=HelpFormatter,
+    )
+    e.add_argument("--draft", help="the draft's Hugging Face model directory (required)")
+    deprecated_alias(e, "--model", "--draft")
     e.add_argument("--out", required=True, help="output directory")
-    e.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    e.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=DEFAULT_PRECISION,
+        help="weight format of the export, as for the other commands",
+    )
     e.add_argument(
         "--head-vocab",
         type=int,
@@ -325,6 +443,16 @@ def _parser() -> argparse.ArgumentParser:
         "draft step that never proposes the others (default 0: the whole vocabulary)",
     )
     return parser
+
+
+def _hint(e: SpecsplitError, args) -> str:
+    """What to check when the cloud went away mid-generation (its own message names nothing)."""
+    if e.code != UNAVAILABLE or "--server" in e.details:
+        return ""
+    return (
+        f" (the cloud at {args.server}, --server, stopped answering for --retry-window "
+        f"{args.retry_window:g} s: is `specsplit-cloud serve` still running there?)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1 or args.draft_tokens < 0:
             raise SystemExit("specsplit-edge: --max-new-tokens must be >= 1, --draft-tokens >= 0")
         return asyncio.run(_generate(args))
-    except (SpecsplitError, FileNotFoundError, ValueError, ImportError) as e:
+    except SpecsplitError as e:
+        print(f"specsplit-edge: {e}{_hint(e, args)}", file=sys.stderr)
+        return 2
+    except (SourceError, OSError, ValueError, ImportError) as e:
+        # A download, disk or missing-extra error: the message says what to do, no traceback.
         print(f"specsplit-edge: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

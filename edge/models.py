@@ -10,12 +10,16 @@ directory, never needs the build-step packages.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 from specsplit.shared.steps import cache_dir, require_extra, spinner
 from specsplit.shared.weights.sources import (
     DRAFT_DEFAULT,
     SOURCES,
+    STORAGE_DTYPE,
+    GgufChunkSource,
     ensure_hf_dir,
     hf_dir_path,
     resolve_model,
@@ -39,12 +43,65 @@ GRAPH_FORMAT = 2
 DEFAULT_PRECISION = "int4"
 
 
-def export_dir(hf_dir: Path, precision: str) -> Path:
-    """Where the export of ``hf_dir`` at ``precision`` is cached (it may not be there yet). The
-    graph format is part of the name, so an export an older version made is exported again,
-    never run by a drafter that reads another contract."""
+def export_dir(model: Path | GgufChunkSource, precision: str) -> Path:
+    """Where the export of ``model`` at ``precision`` is cached (it may not be there yet).
+
+    The name is keyed by what the model is, never by where it lies, so a cache copied to another
+    path, user or mount still finds its exports: a default model by its source's identity (the
+    published GGUF's sha256: known before anything is fetched), a local Hugging Face directory by
+    its files' contents (``content_key``). The graph format is part of the name, so an export an
+    older version made is exported again, never run by a drafter that reads another contract.
+    """
+    if isinstance(model, GgufChunkSource):
+        # what its HF directory is converted from, and into (shared.weights.sources)
+        identity = f"{model.name}\0{model.sha256}\0{STORAGE_DTYPE}"
+        name, key = model.name, hashlib.sha256(identity.encode()).hexdigest()[:12]
+    else:
+        name, key = model.name, content_key(model)
+    return cache_dir() / "onnx" / f"{name}-{key}-{precision}-g{GRAPH_FORMAT}"
+
+
+def _legacy_export_dir(hf_dir: Path, precision: str) -> Path:
+    """The name exports had before they were keyed by content (a hash of the HF directory's
+    absolute path): still found where it is, so an existing cache is not exported again."""
     key = hashlib.sha1(str(hf_dir.resolve()).encode()).hexdigest()[:8]
     return cache_dir() / "onnx" / f"{hf_dir.name}-{key}-{precision}-g{GRAPH_FORMAT}"
+
+
+def content_key(hf_dir: Path) -> str:
+    """A digest of a Hugging Face directory's files (names, sizes, bytes; hidden files left
+    out). Hashing a draft's weights takes a second or so per GB, so the digest is remembered in
+    ``<cache>/onnx/.content-keys.json`` against each file's path, size and mtime: a directory
+    seen before is keyed without reading it again, a copied one is read once."""
+    root = hf_dir.resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{hf_dir} is not a directory")
+    memo_path = cache_dir() / "onnx" / ".content-keys.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    files = sorted(f for f in root.rglob("*") if f.is_file() and not f.name.startswith("."))
+    stats = [(f, f.stat()) for f in files]
+    stamp = [[str(f), st.st_size, st.st_mtime_ns] for f, st in stats]
+    if memo.get(str(root), {}).get("stamp") == stamp:
+        return memo[str(root)]["key"]
+    digest = hashlib.sha256()
+    for f, st in stats:
+        digest.update(f"{f.relative_to(root).as_posix()}\0{st.st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    key = digest.hexdigest()[:12]
+    memo[str(root)] = {"stamp": stamp, "key": key}
+    try:  # a memo that cannot be written only costs a re-hash next time
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass
+    return key
 
 
 def ensure_draft_onnx(
@@ -58,9 +115,10 @@ def ensure_draft_onnx(
     # spec must be a local HF dir (or resolve_model says clearly what is wrong).
     source = SOURCES.get(str(spec))
     hf_dir = hf_dir_path(source) if source else resolve_model(spec)
-    out = export_dir(hf_dir, precision)
-    if (out / METADATA).is_file():
-        return out
+    out = export_dir(source or hf_dir, precision)
+    for found in (out, _legacy_export_dir(hf_dir, precision)):
+        if (found / METADATA).is_file():
+            return found
     require_extra("export", "onnx", *(("rich",) if progress else ()))
     if source:
         hf_dir = ensure_hf_dir(source, progress)  # fetched and converted on first use

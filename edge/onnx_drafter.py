@@ -115,7 +115,7 @@ class OnnxDrafter:
             raise ValueError(
                 f"{model_dir} was exported with graph format {meta.get('graph_format')}; this "
                 f"version runs format {GRAPH_FORMAT} (KV cache in place). Export it again: "
-                f"specsplit-edge export --model <its Hugging Face directory>"
+                f"specsplit-edge export --draft <its Hugging Face directory> --out {model_dir}"
             )
         self.vocab_size: int = int(meta["vocab_size"])
         self.eos_token_ids: tuple[int, ...] = tuple(meta["eos_token_ids"])

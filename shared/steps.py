@@ -60,11 +60,21 @@ def locked(name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# What to run, from the repository root of a checkout (specsplit is not published on PyPI yet).
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra``: from a checkout, CPU torch first where it is needed."""
+    torch_first = f"(on a machine without a GPU, first `{CPU_TORCH}`)" if extra != "edge" else ""
+    return f"`pip install -e '.[{extra}]'` from the specsplit repository root {torch_first}".strip()
+
+
 def require_extra(extra: str, *modules: str) -> None:
     """Raises ImportError naming the pip extra when one of ``modules`` is not installed."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(
-            f"{', '.join(missing)} not installed; this step needs "
-            f"`pip install 'specsplit[{extra}]'` (install torch==2.13.0 first on a CPU machine)"
+            f"{', '.join(missing)} not installed; this step needs the {extra!r} extra: "
+            f"{install_hint(extra)}"
         )

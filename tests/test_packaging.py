@@ -91,6 +91,8 @@ def test_edge_extra_works_without_torch(dist, cloud, tiny, tmp_path):
     r = run(bin_dir / "python", "-c", code, cwd=tmp_path)
     assert str(tmp_path / "venv") in r.stdout  # the installed wheel, not the checkout
     assert "generate" in run(bin_dir / "specsplit-edge", "--help", cwd=tmp_path).stdout
+    # The cloud's CLI is installed too: its help works without the cloud extra.
+    assert "--weights" in run(bin_dir / "specsplit-cloud", "serve", "--help", cwd=tmp_path).stdout
 
     # The wheel's generated stubs speak the protocol to the real gateway.
     args = ["generate", "--server", cloud.address, "--draft", tiny.draft_onnx, "--json"]
@@ -103,7 +105,7 @@ def test_edge_extra_works_without_torch(dist, cloud, tiny, tmp_path):
     r = run(
         bin_dir / "specsplit-edge", "generate", "--prompt", "hi", cwd=tmp_path, env=env, check=False
     )
-    assert r.returncode == 2 and "specsplit[export]" in r.stderr, r.stderr
+    assert r.returncode == 2 and "pip install -e '.[export]'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specsplit.shared.steps import install_hint
+
 log = logging.getLogger(__name__)
 _STARTING = threading.Lock()
 _POLL_CHANNEL_ARGS = [
@@ -65,9 +67,7 @@ class BundledTriton:
         try:
             import pytriton
         except ImportError as e:
-            raise TritonError(
-                "nvidia-pytriton is not installed (pip install specsplit[cloud])"
-            ) from e
+            raise TritonError(f"nvidia-pytriton is not installed: {install_hint('cloud')}") from e
         root = Path(pytriton.__file__).parent / "tritonserver"
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         found = cls(

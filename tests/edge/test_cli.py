@@ -60,7 +60,7 @@ def test_generate_json(cloud, tiny, mode):
 
 
 def test_export_writes_a_loadable_draft(tiny, tmp_path):
-    r = edge("export", "--model", str(tiny.draft), "--out", str(tmp_path / "d"), timeout=300)
+    r = edge("export", "--draft", str(tiny.draft), "--out", str(tmp_path / "d"), timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "d" / "model.onnx").is_file()
 
@@ -95,10 +95,10 @@ def test_bad_arguments_give_clear_errors(cloud, tiny):
 def test_generate_without_draft_uses_the_cached_default_draft(tiny, tmp_path, monkeypatch):
     """No --draft: the default draft's cached export, found without converting anything."""
     from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, export_dir
-    from specsplit.shared.weights.sources import SOURCES, hf_dir_path
+    from specsplit.shared.weights.sources import SOURCES
 
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
-    default = export_dir(hf_dir_path(SOURCES[DEFAULT_DRAFT]), DEFAULT_PRECISION)
+    default = export_dir(SOURCES[DEFAULT_DRAFT], DEFAULT_PRECISION)
     shutil.copytree(tiny.draft_onnx, default)
     args = ("generate", "--mode", "edge-only", "--prompt-ids", "1,2,3", "--max-new-tokens", "6")
     r = subprocess.run(

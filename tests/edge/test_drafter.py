@@ -150,6 +150,10 @@ def test_cached_exports_are_keyed_by_graph_format(tmp_path, monkeypatch):
     from specsplit.edge.models import GRAPH_FORMAT, export_dir
 
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    from specsplit.shared.weights.sources import DRAFT_DEFAULT
+
+    assert export_dir(DRAFT_DEFAULT, "int8").name.endswith(f"-int8-g{GRAPH_FORMAT}")
+    (tmp_path / "hf").mkdir()
     assert export_dir(tmp_path / "hf", "int8").name.endswith(f"-int8-g{GRAPH_FORMAT}")
 
 

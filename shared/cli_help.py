@@ -1,0 +1,69 @@
+"""What both CLIs (``specsplit-edge``, ``specsplit-cloud``) share in their argument parsing:
+defaults shown in every ``--help``, ``--version``, and old flag names kept as deprecated aliases.
+
+Imports nothing beyond the standard library, so ``--help`` works on any install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless its help already says its default, or it
+    has none worth showing (None, False: a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if "(default" in help or action.default in (None, False, argparse.SUPPRESS):
+            return help
+        if not action.option_strings:
+            return help
+        return f"{help} (default: %(default)s)" if help else "(default: %(default)s)"
+
+
+def version() -> str:
+    """The installed package's version (``pyproject.toml``'s, for a checkout installed -e)."""
+    try:
+        return metadata.version("specsplit")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--version", action="version", version=f"{parser.prog} {version()}", help="print it"
+    )
+
+
+class _Deprecated(argparse.Action):
+    """An old flag name: stores into the new flag's dest after a warning that names the new one."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated and goes in the next "
+            f"release; use {self.new}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
+    """Accepts ``old`` as ``new`` for one release (hidden from --help; a warning when used).
+    ``kwargs`` are the new flag's ``type``/``choices``, so the old name parses the same."""
+    dest = new.lstrip("-").replace("-", "_")
+    parser.add_argument(
+        old,
+        dest=dest,
+        action=_Deprecated,
+        new=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )

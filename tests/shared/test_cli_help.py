@@ -1,0 +1,112 @@
+"""Both CLIs' help, --version and deprecated aliases, parsed in-process: nothing is started."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specsplit.cloud import cli as cloud_cli
+from specsplit.edge import cli as edge_cli
+from specsplit.edge.models import DEFAULT_PRECISION
+from specsplit.shared.cli_help import version
+
+PARSERS = {"specsplit-edge": edge_cli._parser, "specsplit-cloud": cloud_cli._parser}
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("prog", PARSERS)
+def test_every_flag_has_help_and_shows_its_default(prog):
+    for name, sub in subcommands(PARSERS[prog]()).items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            flag = f"{prog} {name} {action.option_strings[-1]}"
+            assert action.help, f"{flag} has no help"
+            if action.default not in (None, False, argparse.SUPPRESS):
+                shown = formatter._expand_help(action)
+                assert "(default" in shown, f"{flag}: its default is not shown: {shown}"
+                written = re.search(r"\(default:? (\d+(?:\.\d+)?)( MiB)?[ ;)]", shown)
+                if written:  # a default written into the help by hand is the real one
+                    value = float(written[1]) * (2**20 if written[2] else 1)
+                    assert value == action.default, f"{flag}: {shown}"
+
+
+@pytest.mark.parametrize("prog", PARSERS)
+def test_both_clis_print_their_version(prog, capsys):
+    with pytest.raises(SystemExit) as exit:
+        PARSERS[prog]().parse_args(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"{prog} {version()}"
+    assert version()[0].isdigit()
+
+
+def test_export_precision_defaults_to_the_other_commands_default():
+    for command in ("export", "pull", "generate", "serve"):
+        args = ["--draft", "m", "--out", "o"] if command == "export" else []
+        args += ["--prompt-ids", "1"] if command == "generate" else []
+        parsed = edge_cli._parser().parse_args([command, *args])
+        assert parsed.precision == DEFAULT_PRECISION == "int4", command
+
+
+def test_cloud_help_works_on_an_edge_only_install():
+    """No torch, tritonclient, pytriton or prometheus_client (the cloud extra's packages):
+    `specsplit-cloud --help` still answers, and serve says which extra it needs."""
+    hide = ("torch", "tritonclient", "pytriton", "prometheus_client", "transformers")
+    code = f"""
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {hide!r}:
+            raise ImportError(f"No module named {{name!r}}")
+sys.meta_path.insert(0, Hide())
+from specsplit.cloud.cli import main
+for argv in (["--help"], ["serve", "--help"]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code == 0, e.code
+rc = main(["serve", "--target", "/nonexistent", "--triton-url", "127.0.0.1:1"])
+assert rc == 1, rc
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--weights" in r.stdout and "Traceback" not in r.stderr
+    assert "pip install -e '.[cloud]'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "prog, argv, dest, value",
+    [
+        ("specsplit-edge", ["export", "--model", "d", "--out", "o"], "draft", "d"),
+        ("specsplit-edge", ["serve", "--model", "t"], "target_name", "t"),
+        ("specsplit-edge", ["serve", "--model-name", "api"], "served_model_name", "api"),
+        ("specsplit-cloud", ["serve", "--model-name", "t"], "target_name", "t"),
+        ("specsplit-cloud", ["serve", "--sessions-per-token", "3"], "sessions_per_client", 3),
+    ],
+)
+def test_old_flag_names_still_work_with_a_warning_naming_the_new_one(
+    prog, argv, dest, value, capsys
+):
+    args = PARSERS[prog]().parse_args(argv)
+    assert getattr(args, dest) == value
+    err = capsys.readouterr().err
+    old = next(a for a in argv if a.startswith("--") and a != "--out")
+    new = "--" + dest.replace("_", "-")
+    assert f"{old} is deprecated" in err and f"use {new}" in err
+    assert f"{old} " not in subcommands(PARSERS[prog]())[argv[0]].format_help()
+
+
+def test_new_names_leave_the_old_defaults_alone():
+    edge = edge_cli._parser().parse_args(["serve"])
+    assert (edge.target_name, edge.served_model_name) == ("", None)
+    cloud = cloud_cli._parser().parse_args(["serve"])
+    assert (cloud.target_name, cloud.sessions_per_client) == (None, None)

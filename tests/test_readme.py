@@ -1,0 +1,161 @@
+"""README.md and clients/node/README.md as a user copies them: every `specsplit-edge` /
+`specsplit-cloud` flag they name exists where they use it, every default they state in brackets
+is the code's, every Python snippet compiles (the client one runs against a real cloud with tiny
+models), and the Node snippet parses."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specsplit.cloud import cli as cloud_cli
+from specsplit.edge import cli as edge_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+NODE_README = (ROOT / "clients" / "node" / "README.md").read_text()
+CLIS = {"specsplit-edge": edge_cli._parser(), "specsplit-cloud": cloud_cli._parser()}
+# Flags the README names that belong to other tools.
+OTHER_TOOLS = {
+    "--index-url": "pip",
+    "--no-deps": "pip",
+    "--local-dir": "huggingface-cli",
+    "--no-repack": "llama.cpp",
+    "--rtt": "bench.run",
+}
+
+
+def code_blocks(text: str, *langs: str) -> list[str]:
+    blocks = re.findall(r"^(```|~~~)(\w*)\n(.*?)^\1$", text, flags=re.S | re.M)
+    return [body for _, lang, body in blocks if lang in langs]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The flags --help shows (deprecated aliases are hidden: the README must not use them)."""
+    return {
+        option: action
+        for action in parser._actions
+        if action.help != argparse.SUPPRESS
+        for option in action.option_strings
+    }
+
+
+def all_flags() -> dict[str, list[argparse.Action]]:
+    found: dict[str, list[argparse.Action]] = {}
+    for parser in CLIS.values():
+        for p in [parser, *subcommands(parser).values()]:
+            for option, action in flags(p).items():
+                found.setdefault(option, []).append(action)
+    return found
+
+
+def commands(block: str) -> list[list[str]]:
+    """Each `specsplit-edge ...`/`specsplit-cloud ...` command line of a shell block, as words
+    from the CLI's name on (continuation lines joined, comments dropped)."""
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        if not any(prog in line for prog in CLIS):
+            continue  # other tools' lines (curl's JSON spans lines)
+        words = shlex.split(line, comments=True)
+        for i, word in enumerate(words):
+            if Path(word).name in CLIS:
+                out.append([Path(word).name, *words[i + 1 :]])
+    return out
+
+
+def test_the_readmes_shell_commands_use_flags_their_subcommand_has():
+    checked = 0
+    for block in code_blocks(README, "bash", "sh", ""):
+        for prog, *args in commands(block):
+            subs = subcommands(CLIS[prog])
+            if not args or args[0].startswith("-"):
+                continue
+            assert args[0] in subs, f"{prog} has no subcommand {args[0]!r}"
+            known = flags(subs[args[0]])
+            for arg in args[1:]:
+                flag = arg.split("=")[0]
+                if flag.startswith("--"):
+                    assert flag in known, f"`{prog} {args[0]}` has no {flag}"
+                    checked += 1
+    assert checked >= 15  # the extraction found the commands
+
+
+def test_every_flag_the_readme_names_exists():
+    known = all_flags()
+    for flag in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", README)):
+        assert flag in known or flag in OTHER_TOOLS, f"README names {flag}, which no CLI has"
+
+
+def _number(text: str) -> float | None:
+    """`60 s`, `4 MiB`, `64`, `127.0.0.1:8000` (the port) as a number; None for prose."""
+    text = text.strip().split(":")[-1] if re.fullmatch(r"[\d.]+:\d+", text.strip()) else text
+    m = re.fullmatch(r"\s*([\d.]+)\s*(s|MiB|KiB)?\s*", text)
+    if not m:
+        return None
+    return float(m.group(1)) * {"MiB": 2**20, "KiB": 2**10}.get(m.group(2), 1)
+
+
+def test_defaults_the_readme_states_are_the_codes():
+    """`--flag` [X] and `--flag`, default X: X must be that flag's default somewhere it exists."""
+    known = all_flags()
+    stated = re.findall(r"`(--[a-z][a-z0-9-]*)`\s+\[([^\]]+)\]", README)
+    stated += re.findall(r"`(--[a-z][a-z0-9-]*)`,? (?:\()?default:? ([\d.]+)", README)
+    checked = 0
+    for flag, text in stated:
+        value = _number(text)
+        if value is None:
+            continue  # a default in words ("a quarter of `--max-sessions`")
+        defaults = [a.default for a in known[flag]]
+        assert value in defaults, f"README: {flag} defaults to {text}; the code: {defaults}"
+        checked += 1
+    assert checked >= 12
+
+
+def test_every_python_snippet_compiles():
+    blocks = code_blocks(README, "python")
+    assert len(blocks) >= 2
+    for block in blocks:
+        compile(block, "README.md", "exec")
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_the_node_snippets_parse_as_commonjs(tmp_path):
+    blocks = code_blocks(NODE_README, "js")
+    assert blocks
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"snippet{i}.js"
+        path.write_text(block)
+        r = subprocess.run(["node", "--check", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_the_python_client_snippet_runs_against_a_real_cloud(cloud, tiny, tmp_path):
+    """The README's client snippet as written, but for the address, the tiny draft's export
+    and its prompt (the tiny draft has no tokenizer: its ids instead of the chat prompt)."""
+    block = next(b for b in code_blocks(README, "python") if "SplitClient" in b)
+    prompt = 'TextCodec(draft_dir).chat_prompt("Write a quicksort in Python")'
+    for placeholder in ('draft_dir = "..."', prompt, '"127.0.0.1:50051"'):
+        assert placeholder in block, placeholder
+    code = (
+        block.replace('draft_dir = "..."', f"draft_dir = {str(tiny.draft_onnx)!r}")
+        .replace(prompt, "[1, 2, 3]")
+        .replace('"127.0.0.1:50051"', repr(cloud.address))
+    )
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "the snippet printed nothing"
