@@ -141,8 +141,7 @@ def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
         from specsplit.cloud.engine import quant_cache
         from specsplit.cloud.engine.kernel_forward import KernelForward
 
-        # the GGUF's blocks convert in seconds: nothing worth keeping on disk
-        cache_key = "" if fmt == "gguf" else quant_cache.key(model_dir, fmt, four_bit)
+        cache_key = quant_cache.key(model_dir, fmt, four_bit, gguf_path if fmt == "gguf" else None)
         forward = KernelForward(model, fmt, four_bit, cache_key, gguf_path)
         return forward, fmt, torch_dtype
     model = model.to(device=device, dtype=torch_dtype)
