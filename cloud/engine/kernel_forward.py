@@ -51,6 +51,21 @@ def quantize_layer(layer, weights: str, four_bit: bool) -> dict[str, QuantLinear
     return out
 
 
+def _expected(model, weights: str) -> quant_cache.Expected:
+    """The shapes a kept entry of ``model``'s quantised weights must have (quant_cache.check)."""
+
+    def shape(layer, members: tuple[str, ...]) -> tuple[int, int]:
+        linears = [decoder.projection(layer, n) for n in members]
+        return sum(lin.out_features for lin in linears), linears[0].in_features
+
+    layers = tuple(
+        {fused: shape(layer, members) for fused, members in _groups(layer).items()}
+        for layer in model.model.layers
+    )
+    head = model.lm_head
+    return quant_cache.Expected(layers, (head.out_features, head.in_features), weights)
+
+
 def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
     """Puts the linears' weights in the kernel's layout, in one huge-page mapping
     (``cloud.engine.huge_pages``), one linear at a time (peak memory: the packed copies + one)."""
@@ -110,7 +125,7 @@ class KernelForward:
         self.specs = decoder.layer_specs(config)
         self.final_softcap = decoder.final_softcap(config)
         inner = model.model
-        state = quant_cache.load(cache_key) if cache_key else None
+        state = quant_cache.load(cache_key, _expected(model, weights)) if cache_key else None
         if state is None:
             layers = [quantize_layer(layer, weights, four_bit) for layer in inner.layers]
             lm_head = QuantLinear.quantize([model.lm_head], [8])

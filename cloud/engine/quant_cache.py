@@ -9,6 +9,12 @@ the source of the quantiser (``cloud.engine.quantized``); a changed file or quan
 entry. A change to the kernels or their layouts alone keeps the entry.
 An entry is ~1.2 GB for the 1.5B target, so saving one removes the older entries of the same
 model directory and format (the key's first part), which no load can ask for again.
+
+A loaded entry is checked against the model and the format (``Expected``: every tensor's dtype
+and shape, as the kernels' formats in ``cloud.engine.kernel_layouts`` fix them) before any of
+its pointers can reach C: the file is ours, but the directory may be shared or the file torn or
+from another version, and a wrong shape would make the kernels read past a tensor's end. An
+entry that does not match is discarded with a WARNING, and the model quantised again.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specsplit.cloud.engine import quantized
+from specsplit.cloud.engine import kernel_layouts, quantized
 from specsplit.shared.steps import cache_dir, locked
 
 log = logging.getLogger(__name__)
@@ -47,15 +54,103 @@ def _path(cache_key: str) -> Path:
     return cache_dir() / "quantized" / f"{cache_key}.pt"
 
 
-def load(cache_key: str):
-    """(layers, lm_head) as ``save`` stored them, or None."""
+@dataclass(frozen=True)
+class Expected:
+    """What an entry must hold for a model and format: per layer, each fused linear's (output
+    features, input features); the LM head's; the format (``int8``: every part in 8 bits;
+    ``int4``: parts in 4 or 8)."""
+
+    layers: tuple[dict[str, tuple[int, int]], ...]
+    lm_head: tuple[int, int]
+    weights: str
+
+
+def _part_layout(bits: int, n: int, k: int) -> list[tuple[str, torch.dtype, tuple[int, int]]]:
+    """The natural layout's tensors of one part (``kernel_layouts``): (name, dtype, shape)."""
+    groups = k // kernel_layouts.GROUP
+    blocks = groups // kernel_layouts.per_block(k)
+    if bits == 8:
+        return [
+            ("q", torch.int8, (n, k)),
+            ("sc", torch.uint8, (n, groups)),
+            ("d", torch.float32, (n, blocks)),
+        ]
+    return [
+        ("packed", torch.uint8, (n, k // 2)),
+        ("sc", torch.int16, (n, groups)),
+        ("d", torch.float32, (n, blocks)),
+        ("mn", torch.int16, (n, groups)),
+        ("dm", torch.float32, (n, blocks)),
+    ]
+
+
+def _check_linear(state, shape: tuple[int, int], bits_allowed: tuple[int, ...], where: str):
+    """Raises ValueError unless ``state`` (QuantLinear.state()) is a linear of ``shape``."""
+    n_total, k = shape
+    kernel_layouts.check_width(k)
+    if not isinstance(state, dict) or set(state) != {"parts", "bias"}:
+        raise ValueError(f"{where}: not a quantised linear")
+    parts = state["parts"]
+    if not isinstance(parts, list) or not parts:
+        raise ValueError(f"{where}: no parts")
+    rows = 0
+    for i, part in enumerate(parts):
+        if not (isinstance(part, list) and len(part) == 2 and part[0] in bits_allowed):
+            raise ValueError(f"{where} part {i}: not [bits in {bits_allowed}, tensors]")
+        bits, tensors = part
+        first = tensors[0] if isinstance(tensors, list) and tensors else None
+        if not isinstance(first, torch.Tensor) or first.dim() != 2 or first.shape[0] < 1:
+            raise ValueError(f"{where} part {i}: no [rows, ...] weights")
+        n = first.shape[0]
+        layout = _part_layout(bits, n, k)
+        if len(tensors) != len(layout):
+            raise ValueError(f"{where} part {i}: {bits}-bit parts hold {len(layout)} tensors")
+        for t, (name, dtype, want) in zip(tensors, layout, strict=True):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != want:
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+                raise ValueError(f"{where} part {i}: {name} is {got}, not {dtype} {list(want)}")
+        rows += n
+    if rows != n_total:
+        raise ValueError(f"{where}: {rows} output features, the model has {n_total}")
+    bias = state["bias"]
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor)
+        or bias.dtype != torch.float32
+        or tuple(bias.shape) != (n_total,)
+    ):
+        raise ValueError(f"{where}: the bias is not float32 [{n_total}]")
+
+
+def check(state, expected: Expected) -> None:
+    """Raises ValueError naming the first tensor of ``state`` (as ``save`` stores it) whose
+    dtype or shape the model and format do not give."""
+    bits = (8,) if expected.weights == "int8" else (4, 8)
+    if not isinstance(state, dict) or set(state) != {"layers", "lm_head"}:
+        raise ValueError("not a quantised-weights entry")
+    layers = state["layers"]
+    if not isinstance(layers, list) or len(layers) != len(expected.layers):
+        count = len(layers) if isinstance(layers, list) else "no"
+        raise ValueError(f"{count} layers, the model has {len(expected.layers)}")
+    for li, (layer, shapes) in enumerate(zip(layers, expected.layers, strict=True)):
+        if not isinstance(layer, dict) or set(layer) != set(shapes):
+            raise ValueError(f"layer {li}: not the linears {sorted(shapes)}")
+        for name, shape in shapes.items():
+            _check_linear(layer[name], shape, bits, f"layer {li} {name}")
+    _check_linear(state["lm_head"], expected.lm_head, (8,), "lm_head")
+
+
+def load(cache_key: str, expected: Expected):
+    """(layers, lm_head) as ``save`` stored them, or None: none kept, or one that does not
+    match ``expected`` (then discarded, with a WARNING)."""
     path = _path(cache_key)
     if not path.is_file():
         return None
     try:
         state = torch.load(path, mmap=True, weights_only=True)
-    except Exception as e:  # a torn or foreign file: quantise again
-        log.warning("ignoring the quantised weights at %s: %s", path, e)
+        check(state, expected)
+    except Exception as e:  # a torn, foreign or mismatched file: quantise again
+        log.warning("discarding the quantised weights at %s (quantising again): %s", path, e)
+        path.unlink(missing_ok=True)
         return None
     log.info("quantised weights from %s", path)
     layers = [
