@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -124,16 +125,19 @@ def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
 
     check_weights(weights)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
-    four_bit = False
-    if weights in ("auto", "int4") and device.type == "cpu":
+
+    @cache
+    def on_4bit_grids() -> bool:  # asked only where the kernels can read the model's widths
         from specsplit.cloud.engine.quantized import four_bit_source, projections
 
-        four_bit = four_bit_source(projections(model))
-    fmt, torch_dtype = choose(weights, dtype, device, model.config, four_bit)
+        return four_bit_source(projections(model))
+
+    fmt, torch_dtype = choose(weights, dtype, device, model.config, on_4bit_grids)
     if fmt != "float":
         from specsplit.cloud.engine import quant_cache
         from specsplit.cloud.engine.kernel_forward import KernelForward
 
+        four_bit = fmt == "int4" and on_4bit_grids()
         cache_key = quant_cache.key(model_dir, fmt, four_bit)
         return KernelForward(model, fmt, four_bit, cache_key), fmt, torch_dtype
     model = model.to(device=device, dtype=torch_dtype)
