@@ -4,16 +4,20 @@ serves float and says why in a WARNING, before probing the weights in the kernel
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+import pytest
 import torch
 from transformers import Qwen2Config
 
 from specsplit.cloud.engine import cpu_kernels, precision
 from specsplit.cloud.engine.target import SessionParams, TargetModel
+from specsplit.cloud.supervision.process import CloudProcess
+from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.sampling import SamplingConfig
-from specsplit.shared.tiny import make_tiny_qwen2
+from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
 CPU = torch.device("cpu")
 
@@ -74,3 +78,27 @@ def test_a_hidden_size_of_88_is_served_in_float_with_default_flags(tmp_path, cap
     target.start(1, [1, 2, 3], params)
     result = target.verify(1, 3, [3, 4, 5])
     assert 0 <= result.accepted <= 2
+
+
+@pytest.mark.slow
+def test_serve_with_default_flags_answers_from_a_hidden_size_of_88(tmp_path):
+    """`specsplit-cloud serve --target <dir>`, a real tritonserver and gateway: ready, the
+    cloud-only answer is transformers' greedy one, and Triton's log says why it serves float."""
+    model_dir = make_tiny_qwen2(tmp_path / "tiny88", seed=5, hidden_size=88)
+    prompt, n_new = [1, 2, 3, 4], 8
+    logs = tmp_path / "logs"
+    # --weights auto is serve's default; said here because tests/conftest.py makes float the
+    # default of the servers tests start.
+    args = ("--target", str(model_dir), "--weights", "auto", "--triton-log-dir", str(logs))
+    with CloudProcess(*args, log_dir=tmp_path) as cloud:
+        got = asyncio.run(_cloud_only(cloud.address, prompt, n_new))
+    assert got == reference_greedy(model_dir, prompt, n_new)
+    triton_log = "\n".join(p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+    assert "--weights auto serves float" in triton_log and "hidden 88" in triton_log
+
+
+async def _cloud_only(address: str, prompt: list[int], n_new: int) -> list[int]:
+    async with SplitClient(address, None) as client:
+        gen = client.generate(prompt, GenerationConfig(max_new_tokens=n_new), mode="cloud-only")
+        await gen.collect()
+        return gen.token_ids
