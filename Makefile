@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
+KERNELS_STAMP := $(VENV)/.kernels
+KERNEL_SRC := $(wildcard cloud/engine/cpu_*.c) cloud/engine/cpu_kernels.h cloud/engine/cpu_kernels.py
 PROTO_SRC := $(wildcard proto/specsplit/v1/*.proto)
 STUBS := proto/specsplit/v1/*_pb2*.py*
 
@@ -18,7 +20,7 @@ K ?= 4
 .PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick soak clean \
 	node-client bench-peers
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS_STAMP)
 
 # torch goes first and pinned, from PyTorch's CPU index: the default index's Linux x86-64 torch is
 # the CUDA build, with several GB of nvidia wheels. Where that index is unreachable (a mirror-only
@@ -39,6 +41,16 @@ $(STAMP): pyproject.toml setup.py $(PROTO_SRC)
 	@$(PY) -c 'import torch; c = torch.version.cuda; print("setup: torch", torch.__version__, \
 		f"(CUDA {c} build: several GB; make setup TORCH_INDEX=... picks another)" if c else "(CPU build)")'
 	$(PIP) install --quiet -e '.[edge,export,cloud,dev]'
+	touch $@
+
+# The target's CPU kernels, built once before any server loads them (the command also prints the
+# backend, the CPU features and a gemm's bytes/second). On an x86-64 machine a failure fails
+# setup; elsewhere (arm64) there are no kernels to build and the target serves float weights.
+$(KERNELS_STAMP): $(STAMP) $(KERNEL_SRC)
+	$(VENV)/bin/specsplit-cloud kernels || case "$$(uname -m)" in \
+		x86_64|amd64) exit 1 ;; \
+		*) echo "setup: no CPU kernels on $$(uname -m): the target serves float weights" >&2; exit 0 ;; \
+	esac
 	touch $@
 
 proto:

@@ -1,4 +1,5 @@
-"""specsplit-cloud: serve the target model (Triton + gateway); pull it ahead of time."""
+"""specsplit-cloud: serve the target model (Triton + gateway); pull it and build the CPU kernels
+ahead of time."""
 
 from __future__ import annotations
 
@@ -237,6 +238,36 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def kernels(args: argparse.Namespace) -> int:
+    """Builds the CPU kernels if they are not built, and reports them (``kernel_probe``)."""
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    import torch
+
+    from specsplit.cloud.engine import kernel_probe
+    from specsplit.cloud.engine.cpu_kernels import SLOW_FALLBACK, KernelsUnavailable
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        r = kernel_probe.run()
+    except KernelsUnavailable as e:
+        print(f"specsplit-cloud kernels: unavailable: {e}\n({SLOW_FALLBACK})", file=sys.stderr)
+        return 1
+    built = "built already" if r.built_s is None else f"built now in {r.built_s:.1f} s"
+    flags = " ".join(r.features) or "unknown (no /proc/cpuinfo)"
+    print(f"library   {r.library} ({built})")
+    print(f"compiler  {r.compiler}")
+    print(f"cpu       {r.cpu}: {flags}")
+    print(f"backend   {r.backend} (this CPU runs: {', '.join(r.backends)})")
+    print(
+        f"gemm      one row x int4 {kernel_probe.PROBE_N} x {kernel_probe.PROBE_K}: "
+        f"{r.gemm_bytes / 1e6:.0f} MB in {r.gemm_s * 1e3:.2f} ms = "
+        f"{r.bytes_per_s / 1e9:.1f} GB/s on {r.threads} thread(s)"
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specsplit-cloud", description=__doc__, formatter_class=HelpFormatter
@@ -376,6 +407,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
+    k = sub.add_parser(
+        "kernels",
+        help="build the target's CPU kernels ahead of time (make setup and the Docker image do), "
+        "print the backend, the CPU features seen and the bytes/second a gemm streams; exits "
+        "non-zero where the kernels cannot run",
+    )
+    k.add_argument("--threads", type=int, help="threads for the gemm probe (default: torch's)")
     return parser
 
 
@@ -391,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "pull":
             print(resolve_model(args.target))
             return 0
+        if args.command == "kernels":
+            return kernels(args)
         return asyncio.run(serve(args))
     except ImportError as e:  # an install without the cloud extra
         hint = (

@@ -65,6 +65,9 @@ def test_wheel_has_one_namespace_with_stubs_and_data(dist):
         "specsplit/shared/acceptance.py",
     ):
         assert needed in names
+    engine = Path(__file__).resolve().parent.parent / "cloud" / "engine"
+    for kernel_source in (*engine.glob("cpu_*.c"), engine / "cpu_kernels.h"):  # compiled there
+        assert f"specsplit/cloud/engine/{kernel_source.name}" in names
     grpc_stub = wheel.read("specsplit/v1/speculative_pb2_grpc.py").decode()
     assert "from specsplit.v1 import speculative_pb2" in grpc_stub  # protoc's own path
     entry_points = wheel.read("specsplit-0.1.0.dist-info/entry_points.txt").decode()

@@ -4,6 +4,8 @@ split over (row, kv head) pairs, never inside one score's or one output's reduct
 result does not depend on the other rows or sessions in the pass, nor on the thread count. */
 #include "cpu_kernels.h"
 
+#include <omp.h>
+
 /* Rotary embedding in place, Llama's "rotate half" form over the first D values of each head:
    H heads per row, `hstride` floats apart, rows `stride` floats apart; cos/sin [R, D].
    x[i] <- x[i] cos[i] - x[i + D/2] sin[i] and x[i + D/2] <- x[i + D/2] cos[i + D/2] +
@@ -110,49 +112,65 @@ static inline void attend_group(const float *q, const float *keys, const float *
     }
 }
 
+/* The segment that row r belongs to: the last s with row0[s] <= r (row0 ascending). */
+static inline int64_t segment_of(const int64_t *row0, int64_t nseg, int64_t r) {
+    int64_t lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (row0[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Layer `layer`'s attention for every segment of a ragged pass.
    q [R, H, D], k_new/v_new [R, KVH, D] (rotated keys); segment s owns rows
    [row0[s], row0[s] + len[s]) at positions [start[s], start[s] + len[s]) and the KV slot
    slot[s]: [layers, 2, KVH, cap[s], D] floats. Writes the new keys/values into the layer's
    cache, then out [R, H, D]: row i of a segment (position p = start + i) attends to positions
    lo..p in position order, lo = 0, or p - window + 1 with a sliding window (window > 0).
-   Scores are q.k * scale, soft-capped (softcap > 0: softcap * tanh(score / softcap), Gemma 2). */
-void specsplit_attention(const float *q, const float *k_new, const float *v_new, int64_t H,
-                         int64_t KVH, int64_t D, int64_t nseg, float *const *slot,
-                         int64_t layer, const int64_t *cap, const int64_t *start,
-                         const int64_t *len, const int64_t *row0, float scale, int64_t window,
-                         float softcap, float *out, int nt) {
-    float **cache = malloc(sizeof(float *) * (nseg > 0 ? nseg : 1));
-    for (int64_t s = 0; s < nseg; s++) cache[s] = slot[s] + layer * 2 * KVH * cap[s] * D;
-    int64_t rows = 0;
+   Scores are q.k * scale, soft-capped (softcap > 0: softcap * tanh(score / softcap), Gemma 2).
+   Returns 0, or -1 (nothing computed) when its scratch memory cannot be allocated. */
+int specsplit_attention(const float *q, const float *k_new, const float *v_new, int64_t H,
+                        int64_t KVH, int64_t D, int64_t nseg, float *const *slot, int64_t layer,
+                        const int64_t *cap, const int64_t *start, const int64_t *len,
+                        const int64_t *row0, float scale, int64_t window, float softcap,
+                        float *out, int nt) {
+    const int64_t group = H / KVH;
+    if (nt < 1) nt = 1;
+    int64_t rows = 0, widest = 1; /* the most positions one row attends to */
     for (int64_t s = 0; s < nseg; s++) {
+        rows += len[s];
+        const int64_t end = start[s] + len[s];
+        const int64_t ctx = window > 0 && end > window ? window : end;
+        if (ctx > widest) widest = ctx;
+    }
+    /* Scores: one [group, widest] block per thread, reused by each of its tasks. */
+    float *scratch = malloc(sizeof(float) * (size_t)(nt * group * widest));
+    if (scratch == NULL) return -1;
+    for (int64_t s = 0; s < nseg; s++) {
+        float *cache = slot[s] + layer * 2 * KVH * cap[s] * D;
         for (int64_t i = 0; i < len[s]; i++)
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t r = row0[s] + i, at = (h * cap[s] + start[s] + i) * D;
-                memcpy(cache[s] + at, k_new + (r * KVH + h) * D, D * sizeof(float));
-                memcpy(cache[s] + KVH * cap[s] * D + at, v_new + (r * KVH + h) * D,
+                memcpy(cache + at, k_new + (r * KVH + h) * D, D * sizeof(float));
+                memcpy(cache + KVH * cap[s] * D + at, v_new + (r * KVH + h) * D,
                        D * sizeof(float));
             }
-        rows += len[s];
     }
-    int64_t *seg_of = malloc(sizeof(int64_t) * (rows > 0 ? rows : 1));
-    for (int64_t s = 0; s < nseg; s++)
-        for (int64_t i = 0; i < len[s]; i++) seg_of[row0[s] + i] = s;
-    const int64_t group = H / KVH;
     /* One task per (row, kv head): its query heads share every key and value read. */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 2)
     for (int64_t task = 0; task < rows * KVH; task++) {
-        const int64_t r = task / KVH, kvh = task % KVH, s = seg_of[r];
+        const int64_t r = task / KVH, kvh = task % KVH, s = segment_of(row0, nseg, r);
         const int64_t end = start[s] + (r - row0[s]) + 1; /* positions lo .. end - 1 */
         const int64_t lo = window > 0 && end > window ? end - window : 0, ctx = end - lo;
-        const float *keys = cache[s] + kvh * cap[s] * D + lo * D;
-        const float *values = cache[s] + (KVH + kvh) * cap[s] * D + lo * D;
-        float *p = malloc(sizeof(float) * ctx * group); /* p[g * ctx + j] */
+        const float *cache = slot[s] + layer * 2 * KVH * cap[s] * D;
+        const float *keys = cache + kvh * cap[s] * D + lo * D;
+        const float *values = cache + (KVH + kvh) * cap[s] * D + lo * D;
+        float *p = scratch + (int64_t)omp_get_thread_num() * group * widest; /* p[g * ctx + j] */
         attend_group(q + (r * H + kvh * group) * D, keys, values, ctx, group, D, scale, softcap,
                      p, out + (r * H + kvh * group) * D);
-        free(p);
     }
-    free(seg_of);
-    free(cache);
+    free(scratch);
+    return 0;
 }
-

@@ -324,7 +324,8 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
                 }
                 const __m512i s = h ? _mm512_srli_epi32(scp, 16) : _mm512_and_si512(scp, half);
                 for (int i = 0; i < rt; i++) {
-                    const int32_t *x = (const int32_t *)(xq + (r0 + i) * K + (g + h) * QK);
+                    int32_t x[8]; /* the group's 32 int8 as 8 lanes (memcpy: no aliasing) */
+                    memcpy(x, xq + (r0 + i) * K + (g + h) * QK, sizeof x);
                     __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
                     for (int j = 0; j < 8; j += 2) {
                         t0 = _mm512_dpbusd_epi32(t0, w[j], _mm512_set1_epi32(x[j]));
@@ -335,7 +336,8 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
             }
             const __m512i corr = four ? _mm512_loadu_si512(mnb + g * LANES) : scp;
             for (int i = 0; i < rt; i++) { /* xsum[r, g], xsum[r, g + 1] as one 32-bit lane */
-                const int32_t pair = *(const int32_t *)(xsum + (r0 + i) * G + g);
+                int32_t pair;
+                memcpy(&pair, xsum + (r0 + i) * G + g, sizeof pair);
                 M[i] = _mm512_dpwssd_epi32(M[i], corr, _mm512_set1_epi32(pair));
             }
         }

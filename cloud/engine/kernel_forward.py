@@ -96,6 +96,21 @@ def _lm_head(model, gguf: GgufWeights | None) -> QuantLinear:
     return QuantLinear.fuse([got])
 
 
+def _expected(model, weights: str) -> quant_cache.Expected:
+    """The shapes a kept entry of ``model``'s quantised weights must have (quant_cache.check)."""
+
+    def shape(layer, members: tuple[str, ...]) -> tuple[int, int]:
+        linears = [decoder.projection(layer, n) for n in members]
+        return sum(lin.out_features for lin in linears), linears[0].in_features
+
+    layers = tuple(
+        {fused: shape(layer, members) for fused, members in _groups(layer).items()}
+        for layer in model.model.layers
+    )
+    head = model.lm_head
+    return quant_cache.Expected(layers, (head.out_features, head.in_features), weights)
+
+
 def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
     """Puts the linears' weights in the kernel's layout, in one huge-page mapping
     (``cloud.engine.huge_pages``), one linear at a time (peak memory: the packed copies + one)."""
@@ -204,7 +219,8 @@ class KernelForward:
             if gguf_path is None:
                 raise ValueError("weights 'gguf' need the model's GGUF file")
             gguf = GgufWeights(gguf_path, config)
-        state = quant_cache.load(cache_key) if cache_key else None
+        expected = _expected(model, weights)
+        state = quant_cache.load(cache_key, expected) if cache_key else None
         if state is None:
             layers = [
                 quantize_layer(layer, weights, four_bit, gguf, f"model.layers.{i}.")

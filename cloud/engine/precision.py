@@ -11,7 +11,9 @@
   candidate this machine can run, at one row (a cloud-only step) and at nine (a verify block),
   and keeps the fastest; the table and the choice are logged. The quantised candidate is gguf
   where the model has a GGUF source, else int4 for a 4-bit source and int8 otherwise (auto never
-  serves a float model in 4 bits).
+  serves a float model in 4 bits). Where the kernels cannot serve the model
+  (``kernels_misfit``: no kernels on this machine, or widths they do not read), auto serves
+  float and says why in a WARNING: it never fails a model the float path can serve.
 An explicit ``--dtype`` other than auto asks for the float path.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -125,12 +128,34 @@ def calibrate(
     return table
 
 
+def kernels_misfit(config) -> str | None:
+    """Why the CPU kernels cannot serve a model of ``config`` on this machine, or None."""
+    from specsplit.cloud.engine import cpu_kernels, decoder
+
+    reason = cpu_kernels.unavailable()
+    if reason is None and not cpu_kernels.fits(config):
+        reason = (
+            f"its widths (hidden {config.hidden_size}, intermediate "
+            f"{config.intermediate_size}, {config.num_attention_heads} heads of "
+            f"{decoder.head_dim(config)}) are not what the CPU kernels read (multiples of "
+            f"{cpu_kernels.PAIR}, heads of multiples of 16)"
+        )
+    return reason
+
+
 def choose(
-    weights: str, dtype: str, device: torch.device, config, four_bit: bool, gguf_path=None
+    weights: str,
+    dtype: str,
+    device: torch.device,
+    config,
+    four_bit: Callable[[], bool],
+    gguf_path=None,
 ) -> tuple[str, torch.dtype]:
     """(format, float dtype): ``float`` with the dtype to run in, or ``gguf``/``int8``/``int4``
-    (whose activations are float32). Calibrates when both are auto on a CPU. ``gguf_path``: the
-    model's GGUF source, if it has one (``gguf_weights.source_gguf``)."""
+    (whose activations are float32). Calibrates when both are auto on a CPU. ``four_bit``:
+    whether the source sits on 4-bit grids (``quantized.four_bit_source``), asked only where auto
+    considers the kernels, since models they cannot read cannot be probed either. ``gguf_path``:
+    the model's GGUF source, if it has one (``gguf_weights.source_gguf``)."""
     check_weights(weights)
     if weights == "gguf" and gguf_path is None:
         raise ValueError(
@@ -143,20 +168,22 @@ def choose(
         return weights, torch.float32 if weights != "float" else resolve_dtype(dtype, device)
     if dtype != "auto" or device.type != "cpu":
         return "float", resolve_dtype(dtype, device)
-    from specsplit.cloud.engine import cpu_kernels
+    misfit = kernels_misfit(config)
+    if misfit is not None:
+        from specsplit.cloud.engine.cpu_kernels import SLOW_FALLBACK
 
-    fit = cpu_kernels.available() and cpu_kernels.fits(config)
+        log.warning("--weights auto serves float: %s; %s", misfit, SLOW_FALLBACK)
     gguf_mlp = None
-    if fit and gguf_path is not None:
+    if misfit is None and gguf_path is not None:
         from specsplit.cloud.engine.gguf_weights import mlp_formats
 
         gguf_mlp = mlp_formats(gguf_path, config)
-    if not fit:
+    if misfit is not None:
         quantized = None
     elif gguf_mlp is not None:
         quantized = "gguf"
     else:
-        quantized = "int4" if four_bit else "int8"
+        quantized = "int4" if four_bit() else "int8"
     table = calibrate(config, quantized, gguf_mlp)
     best = min(table, key=lambda fmt: sum(table[fmt].values()))
     log.info(

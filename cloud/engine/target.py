@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -131,16 +132,19 @@ def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
         gguf_path = source_gguf(model_dir)
         if weights == "auto" and gguf_path and mlp_formats(gguf_path, model.config) is None:
             gguf_path = None  # its MLP is in no kernel format: auto chooses as for a float copy
-    four_bit = False
-    if weights in ("auto", "int4") and device.type == "cpu" and gguf_path is None:
+
+    @cache
+    def on_4bit_grids() -> bool:  # asked only where the kernels can read the model's widths
         from specsplit.cloud.engine.quantized import four_bit_source, projections
 
-        four_bit = four_bit_source(projections(model))
-    fmt, torch_dtype = choose(weights, dtype, device, model.config, four_bit, gguf_path)
+        return four_bit_source(projections(model))
+
+    fmt, torch_dtype = choose(weights, dtype, device, model.config, on_4bit_grids, gguf_path)
     if fmt != "float":
         from specsplit.cloud.engine import quant_cache
         from specsplit.cloud.engine.kernel_forward import KernelForward
 
+        four_bit = fmt == "int4" and on_4bit_grids()
         cache_key = quant_cache.key(model_dir, fmt, four_bit, gguf_path if fmt == "gguf" else None)
         forward = KernelForward(model, fmt, four_bit, cache_key, gguf_path)
         return forward, fmt, torch_dtype
