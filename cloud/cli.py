@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import ipaddress
 import logging
 import os
 import signal
@@ -59,9 +60,26 @@ def _security(args: argparse.Namespace) -> Security:
         tls_client_ca=args.tls_client_ca,
         tokens=load_tokens(args.auth_tokens) if args.auth_tokens else None,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and security.tls_cert is None:
+    if _loopback(args.host):
+        return security
+    if security.tokens is None and not args.insecure:
+        raise ValueError(
+            f"--host {args.host} without --auth-tokens: anyone who reaches the port could "
+            "generate; give --auth-tokens FILE, or --insecure to serve it open anyway"
+        )
+    if security.tls_cert is None:
         log.warning("serving %s without TLS: use --tls-cert/--tls-key on a public port", args.host)
     return security
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` binds this host's own interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _limits(args: argparse.Namespace) -> GatewayLimits:
@@ -75,7 +93,9 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
 def _start_metrics(args: argparse.Namespace, registry):
     if args.metrics_port is None:
         return None
-    host = args.metrics_host or args.host
+    # Not --host: the metrics name every replica's URL, and a public gateway's scrapers are
+    # told where to look (--metrics-host) rather than finding the port open by default.
+    host = args.metrics_host or "127.0.0.1"
     server = serve_metrics(registry, host, args.metrics_port)
     print(f"metrics on http://{host}:{server.server_port}/metrics", flush=True)
     return server
@@ -227,7 +247,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
     )
-    s.add_argument("--metrics-host", help="address the metrics port binds (default: --host)")
+    s.add_argument(
+        "--metrics-host", help="address the metrics port binds (default: 127.0.0.1, any --host)"
+    )
     s.add_argument("--model-name", help="name clients use in Start.model (default: dir name)")
     s.add_argument("--threads", type=int, help="torch threads for the target")
     s.add_argument(
@@ -303,6 +325,11 @@ def _parser() -> argparse.ArgumentParser:
         "--triton-log-dir",
         type=Path,
         help="write each tritonserver's log here, kept after stop (default: a temporary dir)",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a --host off this host without --auth-tokens (default: refused)",
     )
     s.add_argument("-v", "--verbose", action="store_true")
     p = sub.add_parser("pull", help="fetch and convert the target ahead of time (with progress)")

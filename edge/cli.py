@@ -99,6 +99,7 @@ async def _generate(args) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         token=args.token,
+        insecure=args.insecure,
     ) as client:
         gen = client.generate(prompt, config, mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
@@ -145,7 +146,7 @@ def _serve(args) -> int:
             draft_tokens=args.draft_tokens, model=args.model, retry_window_s=args.retry_window
         ),
         threads=args.threads,
-        client=dict(token=args.token, **tls),
+        client=dict(token=args.token, insecure=args.insecure, **tls),
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
@@ -197,6 +198,11 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
         "--token",
         default=os.environ.get("SPECSPLIT_TOKEN"),
         help="bearer token for the gateway (default: $SPECSPLIT_TOKEN)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="send --token without TLS to a server off this host (anyone on the path can read it)",
     )
 
 
