@@ -87,6 +87,7 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         start_timeout_s=args.start_deadline,
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
+        max_streams_per_connection=args.streams_per_connection,
     )
 
 
@@ -124,7 +125,18 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
         per_client=_per_client(args),
         max_sessions=args.max_sessions,
         reclaim_after_s=args.reclaim_idle_after,
+        kv_per_client=_kv_per_client(args, budget),
     )
+
+
+def _kv_per_client(args: argparse.Namespace, budget: int) -> int | None:
+    """The per-client KV quota in bytes: the flag's value, 0 off; by default a quarter of the
+    budget, like the stream quota's quarter of the places."""
+    if args.kv_per_client_mib is None:
+        return max(1, budget // 4)
+    if args.kv_per_client_mib < 0:
+        raise ValueError("--kv-per-client-mib must be >= 0")
+    return int(args.kv_per_client_mib * 2**20) or None
 
 
 def _per_client(args: argparse.Namespace) -> int | None:
@@ -283,6 +295,12 @@ def _parser() -> argparse.ArgumentParser:
         "it holds, growing as it generates (default: half of this host's available memory)",
     )
     s.add_argument(
+        "--kv-per-client-mib",
+        type=float,
+        help="KV memory one client's sessions may reserve together (clients as "
+        "--sessions-per-token counts them); 0: no quota (default: a quarter of the KV budget)",
+    )
+    s.add_argument(
         "--start-deadline",
         type=float,
         default=10.0,
@@ -307,6 +325,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=1 << 20,
         help="largest client message accepted (default 1 MiB)",
+    )
+    s.add_argument(
+        "--streams-per-connection",
+        type=int,
+        default=16,
+        help="streams one client connection may hold open; more wait in the client (default 16)",
     )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
