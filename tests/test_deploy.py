@@ -242,6 +242,19 @@ def test_gateway_requires_tokens_and_tls_from_secrets(rendered):
     assert not [name for kind, name in rendered if kind == "Secret"]
 
 
+def test_the_gateways_share_one_kv_capacity(rendered):
+    """Without --kv-budget-mib each gateway admitted half of its own host's RAM, however many
+    gateways shared one Triton and whatever memory its GPU has."""
+    gw = container(rendered, "specsplit-gateway")
+    args = _parser().parse_args(gw["command"][1:])
+    assert args.kv_budget_mib is not None
+    [capacity] = re.findall(
+        r"KV_CAPACITY_MIB: (\d+)", (DEPLOY / "k8s" / "gateway.yaml").read_text()
+    )
+    replicas = rendered["Deployment", "specsplit-gateway"]["spec"]["replicas"]
+    assert replicas * args.kv_budget_mib <= int(capacity)
+
+
 def test_no_quota_is_switched_off(rendered):
     """--sessions-per-token=0 let one client hold every place of every gateway."""
     gw = container(rendered, "specsplit-gateway")
