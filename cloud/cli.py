@@ -87,7 +87,11 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         start_timeout_s=args.start_deadline,
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
-        max_streams_per_connection=args.streams_per_connection,
+        max_streams_per_connection=(
+            args.max_sessions
+            if args.streams_per_connection is None
+            else args.streams_per_connection
+        ),
     )
 
 
@@ -329,8 +333,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--streams-per-connection",
         type=int,
-        default=16,
-        help="streams one client connection may hold open; more wait in the client (default 16)",
+        help="streams one client connection may hold open; more wait in the client, never "
+        "reaching admission (default: --max-sessions)",
     )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")

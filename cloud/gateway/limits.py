@@ -21,9 +21,11 @@ class GatewayLimits:
     max_connection_age_grace_s: float = 600.0  # streams in flight get this long to finish
     half_close_grace_s: float = 2.0  # after Finished: messages.until_half_close
     # Streams one connection may hold open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client's
-    # further streams wait in its own transport, never reaching admission. The default stream
-    # quota (a quarter of 64 places); Envoy opens another connection when it reaches it.
-    max_streams_per_connection: int = 16
+    # further streams wait in its own transport, never reaching admission. By default the
+    # server's places (Admission.max_sessions): gRPC channels of one process to one address share
+    # a connection, so an edge's OpenAI server (or the load benchmark) multiplexes all of its
+    # sessions over one; Envoy opens another connection when it reaches the cap.
+    max_streams_per_connection: int = 64
 
     def __post_init__(self) -> None:
         if min(self.start_timeout_s, self.idle_timeout_s) <= 0:

@@ -48,3 +48,18 @@ def test_metrics_bind_loopback_unless_told(flags, bound):
         with contextlib.suppress(Exception):
             server.shutdown()
         server.server_close()
+
+
+def test_streams_per_connection_default_to_the_places():
+    """Lower would throttle one process's sessions: its channels to one address share a
+    connection (an edge's OpenAI server, the load benchmark)."""
+    from specsplit.cloud.cli import _limits
+
+    assert (
+        _limits(_parser().parse_args(["serve", "--max-sessions", "8"])).max_streams_per_connection
+        == 8
+    )
+    flags = ["serve", "--streams-per-connection", "3"]
+    assert _limits(_parser().parse_args(flags)).max_streams_per_connection == 3
+    with pytest.raises(ValueError, match="streams per connection"):
+        _limits(_parser().parse_args(["serve", "--streams-per-connection", "0"]))
