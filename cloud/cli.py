@@ -88,7 +88,7 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
         max_streams_per_connection=(
-            args.max_sessions
+            2 * args.max_sessions
             if args.streams_per_connection is None
             else args.streams_per_connection
         ),
@@ -334,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
         "--streams-per-connection",
         type=int,
         help="streams one client connection may hold open; more wait in the client, never "
-        "reaching admission (default: --max-sessions)",
+        "reaching admission (default: twice --max-sessions)",
     )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")

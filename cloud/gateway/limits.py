@@ -21,11 +21,13 @@ class GatewayLimits:
     max_connection_age_grace_s: float = 600.0  # streams in flight get this long to finish
     half_close_grace_s: float = 2.0  # after Finished: messages.until_half_close
     # Streams one connection may hold open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client's
-    # further streams wait in its own transport, never reaching admission. By default the
-    # server's places (Admission.max_sessions): gRPC channels of one process to one address share
-    # a connection, so an edge's OpenAI server (or the load benchmark) multiplexes all of its
-    # sessions over one; Envoy opens another connection when it reaches the cap.
-    max_streams_per_connection: int = 64
+    # further streams wait in its own transport. By default twice the server's places
+    # (Admission.max_sessions): streams past the places must still reach admission, which
+    # refuses them with a retry hint (or reclaims an idle stream for them) rather than leaving
+    # them to wait unseen; and gRPC channels of one process to one address share a connection,
+    # so an edge's OpenAI server (or the load benchmark) multiplexes all its sessions over one.
+    # Envoy opens another connection to a gateway when it reaches the cap.
+    max_streams_per_connection: int = 128
 
     def __post_init__(self) -> None:
         if min(self.start_timeout_s, self.idle_timeout_s) <= 0:

@@ -50,15 +50,14 @@ def test_metrics_bind_loopback_unless_told(flags, bound):
         server.server_close()
 
 
-def test_streams_per_connection_default_to_the_places():
-    """Lower would throttle one process's sessions: its channels to one address share a
-    connection (an edge's OpenAI server, the load benchmark)."""
+def test_streams_per_connection_default_to_twice_the_places():
+    """Streams past the places must reach admission (a retry hint, a reclaimed idle stream);
+    and one process's channels to one address share a connection (an edge's OpenAI server, the
+    load benchmark). At --max-sessions 1 a cap of 1 left the second stream waiting unseen."""
     from specsplit.cloud.cli import _limits
 
-    assert (
-        _limits(_parser().parse_args(["serve", "--max-sessions", "8"])).max_streams_per_connection
-        == 8
-    )
+    args = _parser().parse_args(["serve", "--max-sessions", "8"])
+    assert _limits(args).max_streams_per_connection == 16
     flags = ["serve", "--streams-per-connection", "3"]
     assert _limits(_parser().parse_args(flags)).max_streams_per_connection == 3
     with pytest.raises(ValueError, match="streams per connection"):
