@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import ipaddress
 import logging
 import os
 import re
@@ -61,9 +62,26 @@ def _security(args: argparse.Namespace) -> Security:
         tls_client_ca=args.tls_client_ca,
         tokens=load_tokens(args.auth_tokens) if args.auth_tokens else None,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and security.tls_cert is None:
+    if _loopback(args.host):
+        return security
+    if security.tokens is None and not args.insecure:
+        raise ValueError(
+            f"--host {args.host} without --auth-tokens: anyone who reaches the port could "
+            "generate; give --auth-tokens FILE, or --insecure to serve it open anyway"
+        )
+    if security.tls_cert is None:
         log.warning("serving %s without TLS: use --tls-cert/--tls-key on a public port", args.host)
     return security
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` binds this host's own interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _limits(args: argparse.Namespace) -> GatewayLimits:
@@ -71,6 +89,11 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         start_timeout_s=args.start_deadline,
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
+        max_streams_per_connection=(
+            2 * args.max_sessions
+            if args.streams_per_connection is None
+            else args.streams_per_connection
+        ),
     )
 
 
@@ -79,7 +102,9 @@ def _start_metrics(args: argparse.Namespace, registry):
         return None
     from specsplit.cloud.gateway.metrics import serve_metrics
 
-    host = args.metrics_host or args.host
+    # Not --host: the metrics name every replica's URL, and a public gateway's scrapers are
+    # told where to look (--metrics-host) rather than finding the port open by default.
+    host = args.metrics_host or "127.0.0.1"
     server = serve_metrics(registry, host, args.metrics_port)
     print(f"metrics on http://{host}:{server.server_port}/metrics", flush=True)
     return server
@@ -110,7 +135,18 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
         per_client=_per_client(args),
         max_sessions=args.max_sessions,
         reclaim_after_s=args.reclaim_idle_after,
+        kv_per_client=_kv_per_client(args, budget),
     )
+
+
+def _kv_per_client(args: argparse.Namespace, budget: int) -> int | None:
+    """The per-client KV quota in bytes: the flag's value, 0 off; by default a quarter of the
+    budget, like the stream quota's quarter of the places."""
+    if args.kv_per_client_mib is None:
+        return max(1, budget // 4)
+    if args.kv_per_client_mib < 0:
+        raise ValueError("--kv-per-client-mib must be >= 0")
+    return int(args.kv_per_client_mib * 2**20) or None
 
 
 def _per_client(args: argparse.Namespace) -> int | None:
@@ -309,7 +345,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
     )
-    s.add_argument("--metrics-host", help="address the metrics port binds (default: --host)")
+    s.add_argument(
+        "--metrics-host", help="address the metrics port binds (default: 127.0.0.1, any --host)"
+    )
     s.add_argument(
         "--target-name",
         help="the name clients give in Start.model (specsplit-edge serve --target-name) "
@@ -353,6 +391,12 @@ def _parser() -> argparse.ArgumentParser:
         "it holds, growing as it generates (default: half of this host's available memory)",
     )
     s.add_argument(
+        "--kv-per-client-mib",
+        type=float,
+        help="KV memory one client's sessions may reserve together (clients as "
+        "--sessions-per-client counts them); 0: no quota (default: a quarter of the KV budget)",
+    )
+    s.add_argument(
         "--start-deadline",
         type=float,
         default=10.0,
@@ -378,6 +422,12 @@ def _parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="largest client message accepted (default 1 MiB)",
     )
+    s.add_argument(
+        "--streams-per-connection",
+        type=int,
+        help="streams one client connection may hold open; more wait in the client, never "
+        "reaching admission (default: twice --max-sessions)",
+    )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     s.add_argument(
@@ -399,6 +449,11 @@ def _parser() -> argparse.ArgumentParser:
         "--triton-log-dir",
         type=Path,
         help="write each tritonserver's log here, kept after stop (default: a temporary dir)",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a --host off this host without --auth-tokens (default: refused)",
     )
     s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     p = sub.add_parser(

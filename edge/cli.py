@@ -12,7 +12,13 @@ from pathlib import Path
 
 import grpc
 
-from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.client import (
+    MODES,
+    GenerationConfig,
+    SpecsplitError,
+    SplitClient,
+    check_token_transport,
+)
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
@@ -153,6 +159,8 @@ async def _generate(args) -> int:
         drafter = OnnxDrafter(draft_dir, threads=args.threads)
     server = None if args.mode == "edge-only" else args.server
     if server is not None:
+        secure = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
+        check_token_transport(server, args.token, secure, args.insecure)  # before any wait
         await _wait_for_cloud(args)
     async with SplitClient(
         server,
@@ -162,6 +170,7 @@ async def _generate(args) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         token=args.token,
+        insecure=args.insecure,
     ) as client:
         gen = client.generate(prompt, config, mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
@@ -210,7 +219,7 @@ def _serve(args) -> int:
             retry_window_s=args.retry_window,
         ),
         threads=args.threads,
-        client=dict(token=args.token, **tls),
+        client=dict(token=args.token, insecure=args.insecure, **tls),
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
@@ -264,6 +273,11 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
         "--token",
         default=os.environ.get("SPECSPLIT_TOKEN"),
         help="bearer token for the gateway (default: $SPECSPLIT_TOKEN)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="send --token without TLS to a server off this host (anyone on the path can read it)",
     )
 
 

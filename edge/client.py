@@ -19,6 +19,7 @@ are the loop of the session mode (edge.lockstep, edge.cloud_led, edge.cloud_only
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -115,9 +116,21 @@ class GenerationConfig:
         return self.session_mode == AUTO and self.adapts
 
 
+def check_token_transport(address: str | None, token: str | None, secure: bool, insecure: bool):
+    """Raises ValueError where a bearer token would go in plaintext to an address off this host
+    (unless ``insecure`` says to send it anyway)."""
+    if token and address and not secure and not insecure and not is_loopback(address):
+        raise ValueError(
+            f"refusing to send the bearer token in plaintext to {address}: connect with "
+            "TLS (--tls or --tls-ca), or pass --insecure to send it anyway"
+        )
+
+
 class SplitClient:
     """A connection to a gateway. TLS when ``tls`` is true or any tls_* file is given;
-    ``token`` is sent as ``authorization: Bearer <token>`` on every call. ``drafter``: the draft
+    ``token`` is sent as ``authorization: Bearer <token>`` on every call, never in plaintext to
+    an address off this host unless ``insecure`` (ValueError: anyone on the path could read it
+    and use it). ``drafter``: the draft
     model (drafting through ``edge.proposer.DraftModelProposer``), or any ``Proposer`` (the
     load benchmark's replay of recorded blocks)."""
 
@@ -132,7 +145,10 @@ class SplitClient:
         tls_key: str | Path | None = None,
         token: str | None = None,
         link: Link | None = None,
+        insecure: bool = False,
     ):
+        secure = bool(tls or tls_ca or tls_cert or tls_key)
+        check_token_transport(address, token, secure, insecure)
         self.address = address
         self.drafter = drafter
         self.proposer = None if drafter is None else as_proposer(drafter)
@@ -243,6 +259,23 @@ class SplitClient:
                 self._reached |= stream.reached
                 self._link = _remembered(stream.link or self._link, plan, stats)
                 await stream.close()
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gRPC target (``host:port``, ``[v6]:port``, ``unix:path``, optionally with a
+    ``dns:///`` or ``ipv4:``/``ipv6:`` scheme) names this host; a name other than localhost is
+    not trusted to (DNS may send it anywhere)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]" in target else target
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _remembered(link: Link | None, plan: SessionPlan, stats: GenerationStats) -> Link | None:

@@ -4,6 +4,7 @@ what pyproject says the cloud needs. Nothing here can build an image or reach a 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ import yaml
 
 from specsplit.cloud.cli import _parser
 from specsplit.cloud.gateway.metrics import GatewayMetrics
+from specsplit.cloud.supervision.probe import _parser as probe_parser
 from specsplit.cloud.supervision.triton import TRITON_KEEPALIVE_FLAGS, BundledTriton, TritonError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +55,8 @@ def service_port(objects, service: str, name: str) -> dict:
 def test_kinds(rendered):
     kinds = sorted(kind for kind, _ in rendered)
     assert kinds == ["ConfigMap", "Deployment", "Deployment", "Deployment"] + [
+        "NetworkPolicy",
+        "NetworkPolicy",
         "PersistentVolumeClaim",
         "Service",
         "Service",
@@ -80,11 +84,37 @@ def test_gateway_flags_parse_and_match_the_code_defaults(rendered):
     assert service_port(rendered, host, "grpc")["port"] == int(tport)
 
 
-def test_probes_are_grpc_health_on_the_serving_ports(rendered):
-    for name in ("specsplit-gateway", "specsplit-triton"):
-        c = container(rendered, name)
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == port(c, "grpc"), (name, probe)
+PROBE = ["python3", "-m", "specsplit.cloud.supervision.probe"]
+
+
+def probe_args(c: dict, probe: str) -> argparse.Namespace:
+    """The probe module's parsed arguments (a misspelt flag fails here)."""
+    command = c[probe]["exec"]["command"]
+    assert command[:3] == PROBE, command
+    return probe_parser().parse_args(command[3:])
+
+
+def test_gateway_probes_ask_its_health_over_tls(rendered):
+    """The kubelet's native gRPC probe speaks plaintext, which a TLS gateway refuses."""
+    gw = container(rendered, "specsplit-gateway")
+    serve = _parser().parse_args(gw["command"][1:])
+    for probe in ("readinessProbe", "livenessProbe"):
+        args = probe_args(gw, probe)
+        assert args.command == "gateway"
+        assert args.address == f"127.0.0.1:{port(gw, 'grpc')}"
+        assert secret_of(rendered, "specsplit-gateway", args.tls_ca) == (
+            secret_of(rendered, "specsplit-gateway", serve.tls_cert)
+        )
+
+
+def test_triton_liveness_runs_an_inference(rendered):
+    """Health stays SERVING when the Python backend stub dies; an inference does not."""
+    c = container(rendered, "specsplit-triton")
+    args = probe_args(c, "livenessProbe")
+    assert args.command == "triton" and args.url == f"127.0.0.1:{port(c, 'grpc')}"
+    assert c["livenessProbe"]["timeoutSeconds"] > args.timeout
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] == port(c, "grpc"), probe
 
 
 TRITON_KEEPALIVE = [f.removeprefix("--").split("=")[0] for f in TRITON_KEEPALIVE_FLAGS]
@@ -138,6 +168,125 @@ def test_envoy_routes_to_the_gateways(rendered):
     envoy = container(rendered, "specsplit-envoy")
     assert listener["address"]["socket_address"]["port_value"] == port(envoy, "grpc")
     assert service_port(rendered, "specsplit", "grpc")["targetPort"] == "grpc"
+
+
+def labels_of(objects, deployment: str) -> dict[str, str]:
+    return objects["Deployment", deployment]["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) == {"matchLabels"}, selector  # the only form these policies use
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def admitted(objects, deployment: str, port_number: int) -> list[dict | None]:
+    """Who the NetworkPolicies let reach ``port_number`` of ``deployment``'s pods: a list of
+    peers (podSelector dicts; None: anyone). No policy selecting the pods: anyone."""
+    labels = labels_of(objects, deployment)
+    policies = [
+        p
+        for (kind, _), p in objects.items()
+        if kind == "NetworkPolicy" and selects(p["spec"]["podSelector"], labels)
+    ]
+    if not policies:
+        return [None]
+    peers = []
+    for policy in policies:
+        assert "Ingress" in policy["spec"]["policyTypes"]
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port_number not in ports:
+                continue
+            peers += rule.get("from") or [None]
+    return peers
+
+
+def test_only_the_gateways_reach_triton_and_only_envoy_the_gateways(rendered):
+    """Triton has no auth: any pod reaching its gRPC port could skip tokens, quotas and budget."""
+    triton = container(rendered, "specsplit-triton")
+    gateway = container(rendered, "specsplit-gateway")
+    [peer] = admitted(rendered, "specsplit-triton", port(triton, "grpc"))
+    assert peer is not None and set(peer) == {"podSelector"}, peer  # no namespace, no ipBlock
+    assert selects(peer["podSelector"], labels_of(rendered, "specsplit-gateway"))
+    for other in ("specsplit-envoy", "specsplit-triton"):
+        assert not selects(peer["podSelector"], labels_of(rendered, other)), other
+    [peer] = admitted(rendered, "specsplit-gateway", port(gateway, "grpc"))
+    assert peer is not None and set(peer) == {"podSelector"}, peer
+    assert selects(peer["podSelector"], labels_of(rendered, "specsplit-envoy"))
+    envoy = container(rendered, "specsplit-envoy")
+    assert admitted(rendered, "specsplit-envoy", port(envoy, "grpc")) == [None]  # the public one
+
+
+def secret_of(objects, deployment: str, path) -> str:
+    """The Secret a container of ``deployment`` reads ``path`` from (AssertionError if none)."""
+    spec = objects["Deployment", deployment]["spec"]["template"]["spec"]
+    [c] = spec["containers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in c["volumeMounts"]:
+        if str(path).startswith(mount["mountPath"].rstrip("/") + "/"):
+            secret = volumes[mount["name"]].get("secret")
+            assert secret is not None, f"{path} is not from a Secret"
+            return secret["secretName"]
+    raise AssertionError(f"{path} is in no volume of {deployment}")
+
+
+def test_gateway_requires_tokens_and_tls_from_secrets(rendered):
+    gw = container(rendered, "specsplit-gateway")
+    args = _parser().parse_args(gw["command"][1:])
+    assert args.auth_tokens is not None and args.tls_cert is not None and args.tls_key is not None
+    assert secret_of(rendered, "specsplit-gateway", args.auth_tokens) == "specsplit-gateway-tokens"
+    assert secret_of(rendered, "specsplit-gateway", args.tls_cert) == "specsplit-gateway-tls"
+    assert secret_of(rendered, "specsplit-gateway", args.tls_key) == "specsplit-gateway-tls"
+    assert not args.insecure
+    # Secrets hold credentials: none is rendered with placeholder values to be applied.
+    assert not [name for kind, name in rendered if kind == "Secret"]
+
+
+def test_the_gateways_share_one_kv_capacity(rendered):
+    """Without --kv-budget-mib each gateway admitted half of its own host's RAM, however many
+    gateways shared one Triton and whatever memory its GPU has."""
+    gw = container(rendered, "specsplit-gateway")
+    args = _parser().parse_args(gw["command"][1:])
+    assert args.kv_budget_mib is not None
+    [capacity] = re.findall(
+        r"KV_CAPACITY_MIB: (\d+)", (DEPLOY / "k8s" / "gateway.yaml").read_text()
+    )
+    replicas = rendered["Deployment", "specsplit-gateway"]["spec"]["replicas"]
+    assert replicas * args.kv_budget_mib <= int(capacity)
+
+
+def test_no_quota_is_switched_off(rendered):
+    """--sessions-per-client=0 (--sessions-per-token=0 before its rename) let one client hold
+    every place of every gateway."""
+    gw = container(rendered, "specsplit-gateway")
+    quota_flags = ("--sessions-per-token", "--sessions-per-client")
+    assert not any(a.startswith(quota_flags) for a in gw["command"])
+    args = _parser().parse_args(gw["command"][1:])
+    assert args.sessions_per_client is None  # the default: a quarter of --max-sessions
+
+
+def test_envoy_speaks_tls_on_both_hops(rendered):
+    """Edges send their token to Envoy, and Envoy passes it on to a gateway: both over TLS."""
+    [(_, cm_name)] = [k for k in rendered if k[0] == "ConfigMap"]
+    config = yaml.safe_load(rendered["ConfigMap", cm_name]["data"]["envoy.yaml"])
+    [listener] = config["static_resources"]["listeners"]
+    [chain] = listener["filter_chains"]
+    downstream = chain["transport_socket"]["typed_config"]
+    assert downstream["@type"].endswith("DownstreamTlsContext")
+    [cert] = downstream["common_tls_context"]["tls_certificates"]
+    for key in ("certificate_chain", "private_key"):
+        assert secret_of(rendered, "specsplit-envoy", cert[key]["filename"]) == "specsplit-tls"
+    [cluster] = config["static_resources"]["clusters"]
+    upstream = cluster["transport_socket"]["typed_config"]
+    assert upstream["@type"].endswith("UpstreamTlsContext")
+    ca = upstream["common_tls_context"]["validation_context"]["trusted_ca"]["filename"]
+    assert secret_of(rendered, "specsplit-envoy", ca) == "specsplit-gateway-tls"
+    [gateway_ca] = [
+        v
+        for v in rendered["Deployment", "specsplit-envoy"]["spec"]["template"]["spec"]["volumes"]
+        if v.get("secret", {}).get("secretName") == "specsplit-gateway-tls"
+    ]
+    assert [i["key"] for i in gateway_ca["secret"]["items"]] == ["ca.crt"]  # not the key
 
 
 def exported_names() -> set[str]:

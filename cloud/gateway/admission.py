@@ -18,9 +18,14 @@ growth ends its stream, and the edge re-opens from its committed sequence when t
 (nothing the edge holds is lost). A slot larger than the whole budget is refused without a
 hint: waiting cannot help. A reservation is released exactly once, however the session ends.
 
-The cap counts every open stream, admitted or still waiting for its Start. A quota caps the
-streams one client holds at once: one bearer token when the port requires tokens, else one
-peer address (``cloud.security.client_key``; only a digest of the token is kept).
+The cap counts every open stream, admitted or still waiting for its Start. Two quotas cap what
+one client holds at once: its streams, and the KV bytes its sessions reserve (so a few
+max-context streams of one client cannot fill the budget, whatever their count). A client is one
+bearer token when the port requires tokens, else one peer address
+(``cloud.gateway.security.client_key``; only a digest of the token is kept). A Start or a growth
+over the client's KV quota is refused like one over the budget, with a retry hint while the
+client's other sessions hold the bytes (their end makes room), without one when this session
+alone needs more than the quota.
 
 Idle sessions yield under pressure: a session owns nothing its edge cannot rebuild (DESIGN §2),
 so before a stream, a Start or a growth is refused for want of places or KV memory, streams
@@ -170,6 +175,7 @@ class Admission:
         max_block: int = MAX_BLOCK,
         max_sessions: int = 64,
         reclaim_after_s: float | None = RECLAIM_AFTER_S,  # None: idle streams never yield
+        kv_per_client: int | None = None,  # KV bytes one client's sessions may reserve
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
@@ -179,6 +185,10 @@ class Admission:
             raise ValueError("a KV budget needs the model's KV shape")
         if per_client is not None and per_client < 1:
             raise ValueError("sessions per token must be >= 1")
+        if kv_per_client is not None and (kv is None or kv_per_client < 1):
+            raise ValueError("a per-client KV quota needs the model's KV shape and > 0 bytes")
+        self.kv_per_client = kv_per_client
+        self.client_positions: Counter[str] = Counter()  # per client: its sessions' slots
         self.kv, self.budget_bytes, self.per_client = kv, budget_bytes, per_client
         # What a KV position costs: the flags' guess, then what the targets report (observe_kv)
         self.bytes_per_token = kv.bytes_per_token if kv is not None else 0
@@ -225,8 +235,9 @@ class Admission:
     def enter(self, client: str | None) -> Ticket:
         """A new stream from ``client`` (a digest or an address; None: no quota applies).
         Raises Refused, or Reclaiming while idle streams make room for it."""
-        counted = client if self.per_client is not None else None
-        if counted is not None and self.streams[counted] >= self.per_client:
+        quotas = self.per_client is not None or self.kv_per_client is not None
+        counted = client if quotas else None
+        if counted is not None and self.per_client and self.streams[counted] >= self.per_client:
             raise Refused(
                 f"this client already holds {self.streams[counted]} sessions, its quota of "
                 f"{self.per_client}; finish one before opening another"
@@ -248,11 +259,15 @@ class Admission:
     def _reserve(self, ticket: Ticket, committed_len: int) -> None:
         slot = self.slot_for(committed_len)
         grow = slot - ticket.positions
+        if grow > 0 and self.kv_per_client is not None and ticket.client is not None:
+            self._check_client_quota(ticket, committed_len, slot, grow)
         if grow > 0 and self.budget_bytes is not None:
             self._check_budget(ticket, committed_len, slot, grow)
         if grow > 0:
             ticket.positions = slot
             self.reserved_positions += grow
+            if ticket.client is not None:
+                self.client_positions[ticket.client] += grow
         if not ticket.admitted:
             ticket.admitted = True
             ticket.opened = time.monotonic()
@@ -284,9 +299,34 @@ class Admission:
             retry_after_ms=wait_ms,
         )
 
+    def _check_client_quota(self, ticket: Ticket, committed_len: int, slot: int, grow: int):
+        """Raises Refused unless ``grow`` more positions fit the client's KV quota."""
+        bpt, mib, quota = self.bytes_per_token, 2**20, self.kv_per_client
+        held = self.client_positions[ticket.client] * bpt
+        if held + grow * bpt <= quota:
+            return
+        what = "this session" if not ticket.admitted else "the session's next KV slot"
+        need = slot * bpt
+        if need > quota:  # no hint: this session alone needs more
+            raise Refused(
+                f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens), more "
+                f"than this client's KV quota of {quota / mib:.1f} MiB; use a shorter prompt"
+            )
+        wait_ms = self.retry_after_ms()
+        raise Refused(
+            f"this client's sessions hold {held / mib:.1f} MiB of KV memory, and {what} needs "
+            f"{need / mib:.1f} MiB: over its KV quota of {quota / mib:.1f} MiB; finish a "
+            f"session, or retry in {wait_ms} ms",
+            retry_after_ms=wait_ms,
+        )
+
     def _free(self, ticket: Ticket) -> None:
         if ticket not in self.live:  # never admitted, or freed already (tickets: by identity)
             return
+        if ticket.client is not None:
+            self.client_positions[ticket.client] -= ticket.positions
+            if self.client_positions[ticket.client] <= 0:
+                del self.client_positions[ticket.client]
         self.reserved_positions -= ticket.positions
         ticket.positions = 0
         self.live.remove(ticket)

@@ -20,16 +20,27 @@ class GatewayLimits:
     max_connection_age_s: float = 3600.0  # then GOAWAY, so clients rebalance across replicas
     max_connection_age_grace_s: float = 600.0  # streams in flight get this long to finish
     half_close_grace_s: float = 2.0  # after Finished: messages.until_half_close
+    # Streams one connection may hold open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client's
+    # further streams wait in its own transport. By default twice the server's places
+    # (Admission.max_sessions): streams past the places must still reach admission, which
+    # refuses them with a retry hint (or reclaims an idle stream for them) rather than leaving
+    # them to wait unseen; and gRPC channels of one process to one address share a connection,
+    # so an edge's OpenAI server (or the load benchmark) multiplexes all its sessions over one.
+    # Envoy opens another connection to a gateway when it reaches the cap.
+    max_streams_per_connection: int = 128
 
     def __post_init__(self) -> None:
         if min(self.start_timeout_s, self.idle_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.max_streams_per_connection < 1:
+            raise ValueError("streams per connection must be >= 1")
 
     def server_options(self) -> list[tuple[str, int]]:
         ms = 1000
         return [
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_concurrent_streams", self.max_streams_per_connection),
             # Our own pings find dead clients; theirs (edge/channel.py: every 30 s) are allowed.
             ("grpc.keepalive_time_ms", 60 * ms),
             ("grpc.keepalive_timeout_ms", 20 * ms),

@@ -9,6 +9,14 @@ What a Verdict counts for (drafted = the draft tokens the target verified, accep
 whether its step was a draft) is ``shared.spec_counts.StepCounts``, the one definition the
 edge's ``GenerationStats`` counts by too, in every session mode, so the two agree exactly.
 
+Request latency, named after vLLM's and measured at the gateway, per stream (a re-opened stream
+is a new request, as a vLLM retry is): time to first token (from the Start's arrival to the
+first message that commits a token), inter-token latency (between two successive messages that
+commit tokens; once per message, as vLLM observes once per engine step, however many tokens it
+commits), end-to-end (Start to Finished) and queue time (Start to its admission: places and KV
+reserved, the wait while reclaimed idle streams make room included; ``observe_queue``, called by
+the service). Prompt tokens are counted at each Start, generation tokens at each Verdict.
+
 Each service owns a private ``CollectorRegistry``: several gateways in one process (tests) never
 share or collide on a metric. Triton replicas are read at scrape time, one label per replica.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
@@ -34,6 +43,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "specsplit"
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REQUEST_SECONDS = SECONDS + (20.0, 40.0, 80.0, 160.0, 320.0, 640.0)  # whole generations
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPTANCE_LENGTHS = tuple(range(1, 18))  # emitted per draft: 1 .. max_draft_tokens + 1
 # Finished.reason -> outcome label; UNSPECIFIED (a split stream the client half-closed) is none.
@@ -47,6 +57,8 @@ class _Stream:
 
     mode: str = "none"  # "split" or "cloud-only" once Start arrived
     outcome: str = ""  # the finish reason, once Finished is sent
+    started_at: float | None = None  # perf_counter at the Start's arrival
+    last_token_at: float | None = None  # perf_counter at the last message committing tokens
 
 
 class _Requests:
@@ -143,6 +155,36 @@ class GatewayMetrics:
             buckets=POWERS_OF_TWO,
             registry=reg,
         )
+        self.ttft_s = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Start's arrival to the first message committing a token",
+            buckets=REQUEST_SECONDS,
+            registry=reg,
+        )
+        self.itl_s = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "between two successive messages committing tokens",
+            buckets=SECONDS,
+            registry=reg,
+        )
+        self.e2e_s = Histogram(
+            f"{p}_e2e_request_latency_seconds",
+            "Start's arrival to Finished",
+            buckets=REQUEST_SECONDS,
+            registry=reg,
+        )
+        self.queue_time_s = Histogram(
+            f"{p}_request_queue_time_seconds",
+            "Start's arrival to its admission (places and KV reserved)",
+            buckets=REQUEST_SECONDS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens", "prompt tokens of the Starts received", registry=reg
+        )
+        self.generation_tokens = Counter(
+            f"{p}_generation_tokens", "tokens generated (committed after the prompt)", registry=reg
+        )
         self.bytes_in = Counter(f"{p}_received_bytes", "client message bytes", registry=reg)
         self.bytes_out = Counter(f"{p}_sent_bytes", "server message bytes", registry=reg)
         self.errors = Counter(f"{p}_errors", "streams ended with an error", ["code"], registry=reg)
@@ -184,6 +226,8 @@ class GatewayMetrics:
         kind = msg.WhichOneof("msg")
         if kind == "start":
             stream.mode = _mode_label(msg.start)
+            stream.started_at = time.perf_counter()
+            self.prompt_tokens.inc(len(msg.start.prompt_ids))
 
     def observe_response(self, stream: _Stream, msg: pb.ServerMessage) -> None:
         self.bytes_out.inc(msg.ByteSize())
@@ -191,14 +235,31 @@ class GatewayMetrics:
         if kind == "verdict":
             # Read from the Verdict alone, in every mode (a lock-step stream may turn cloud-led
             # mid-way, where Drafts and Verdicts do not pair up).
-            self.observe_verdict(stream.mode, msg.verdict)
+            emitted = self.observe_verdict(stream.mode, msg.verdict)
+            if emitted:
+                self._observe_tokens(stream, time.perf_counter())
         elif kind == "finished":
             stream.outcome = _FINISH.get(msg.finished.reason, "")
+            if stream.started_at is not None:
+                self.e2e_s.observe(time.perf_counter() - stream.started_at)
 
-    def observe_verdict(self, mode: str, v: pb.Verdict) -> None:
+    def _observe_tokens(self, stream: _Stream, now: float) -> None:
+        if stream.last_token_at is not None:
+            self.itl_s.observe(now - stream.last_token_at)
+        elif stream.started_at is not None:
+            self.ttft_s.observe(now - stream.started_at)
+        stream.last_token_at = now
+
+    def observe_queue(self, seconds: float) -> None:
+        """A Start admitted ``seconds`` after it arrived (the service's call)."""
+        self.queue_time_s.observe(seconds)
+
+    def observe_verdict(self, mode: str, v: pb.Verdict) -> int:
+        """Counts one Verdict; returns the tokens it commits."""
         step = StepCounts.of(v)
         self.rounds.labels(mode).inc()
         self.committed.labels(mode).inc(step.emitted)
+        self.generation_tokens.inc(step.emitted)
         if step.is_draft:
             self.drafts.inc()
             self.draft_tokens.inc(step.drafted)
@@ -214,6 +275,7 @@ class GatewayMetrics:
         if t.batch_rows:
             self.batch_rows.observe(t.batch_rows)
             self.batch_sessions.observe(t.batch_sessions)
+        return step.emitted
 
     def watch_admission(self, admission) -> None:
         """KV memory as ``cloud.gateway.admission`` counts it, read at scrape time."""

@@ -2,9 +2,10 @@
 
 Tokens come from a file, one a line (blank lines and ``#`` comments ignored); a call must carry
 ``authorization: Bearer <token>`` metadata matching one of them, compared in constant time against
-every token. A call without one is refused with UNAUTHENTICATED before its handler runs, so it
-costs no session and no Triton work. The gRPC health service stays open: balancers probe it
-without credentials.
+every token. A call without one is refused with UNAUTHENTICATED before its handler runs, from its
+metadata alone: none of its messages is read (they stay in gRPC's flow-control window, never
+decoded), so it costs no session, no Triton work and no more than that window of memory. The
+gRPC health service stays open: balancers probe it without credentials.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
-from specsplit.cloud.gateway.messages import before_refusing
 
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
@@ -96,7 +95,6 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 
 async def _refuse(request, context: grpc.aio.ServicerContext) -> None:
-    await before_refusing(request)
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 

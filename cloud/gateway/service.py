@@ -140,6 +140,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     session, mode = open_session(first, self.model)
                     # The prompt's slot only: what it may grow to is reserved as it grows.
                     await self._reserve(ticket, lease, session.committed_len)
+                    self.metrics.observe_queue(time.perf_counter() - t_start)
                     await lease.start(
                         session.prompt, session.sampling, session.mode, session.seed, mode.drafts
                     )

@@ -117,6 +117,41 @@ def test_quota_counts_each_client_streams():
         admission.enter("a")
 
 
+def test_kv_quota_caps_what_one_client_reserves():
+    """Streams are not cost: within its stream quota, one client with long prompts held the
+    whole budget. Its KV quota stops it, and another client still finds room."""
+    admission = Admission(KV, budget_bytes=8192 * KV.bytes_per_token, kv_per_client=2048 * 512)
+    a = [admission.enter("a") for _ in range(3)]
+    a[0].reserve(1000)  # 1024 positions
+    a[1].reserve(1000)  # 1024 more: exactly the quota
+    with pytest.raises(Refused) as refused:
+        a[2].reserve(10)  # 64 more would exceed it
+    assert "KV quota" in refused.value.message
+    assert refused.value.retry_after_ms is not None  # a's own sessions ending make room
+    admission.enter("b").reserve(1000)  # another client is not held back by a's quota
+    a[0].free()
+    a[2].reserve(10)
+    assert admission.client_positions["a"] == 1024 + 64
+    with pytest.raises(Refused) as alone:
+        admission.enter("c").reserve(2100)  # a slot of 4096 positions: more than the quota
+    assert "more than this client's KV quota" in alone.value.message
+    assert alone.value.retry_after_ms is None  # waiting cannot help
+    admission.enter(None).reserve(2100)  # no client key (a loopback peer): no quota
+    for t in a:
+        t.free()
+    assert "a" not in admission.client_positions
+
+
+def test_a_growth_over_the_kv_quota_keeps_what_the_session_had():
+    admission = Admission(KV, kv_per_client=128 * 512)
+    t = admission.enter("a")
+    t.reserve(40)  # 64 positions
+    t.reserve(100)  # 128: the quota
+    with pytest.raises(Refused):
+        t.reserve(200)  # 256
+    assert t.positions == 128 and admission.client_positions["a"] == 128
+
+
 def test_client_key_hides_the_token_and_drops_the_port():
     key = client_key(b"s3cret", "ipv4:10.0.0.1:5000", by_token=True)
     assert key.startswith("token:") and "s3cret" not in key
@@ -212,22 +247,29 @@ def test_serve_flags_build_the_admission(tmp_path):
     from specsplit.cloud.cli import _admission, _parser
 
     model = make_tiny_qwen2(tmp_path / "tiny", seed=0)
-    args = _parser().parse_args(["serve", "--kv-budget-mib", "2", "--sessions-per-token", "3"])
+    args = _parser().parse_args(["serve", "--kv-budget-mib", "2", "--sessions-per-client", "3"])
     admission = _admission(args, model)
     assert admission.budget_bytes == 2 * MIB and admission.per_client == 3
     assert admission.kv == KV
     default = _admission(_parser().parse_args(["serve"]), model)
     assert default.budget_bytes > 0 and default.per_client == 16  # a quarter of 64 places
     assert default.reclaim_after_s == RECLAIM_AFTER_S
+    assert default.kv_per_client == default.budget_bytes // 4
+    kv_flags = ["serve", "--kv-budget-mib", "8", "--kv-per-client-mib", "3"]
+    assert _admission(_parser().parse_args(kv_flags), model).kv_per_client == 3 * MIB
+    kv_off = _admission(_parser().parse_args(["serve", "--kv-per-client-mib", "0"]), model)
+    assert kv_off.kv_per_client is None
+    with pytest.raises(ValueError, match="kv-per-client-mib"):
+        _admission(_parser().parse_args(["serve", "--kv-per-client-mib", "-1"]), model)
     small = _admission(_parser().parse_args(["serve", "--max-sessions", "2"]), model)
     assert small.per_client == 1
-    off = ["serve", "--sessions-per-token", "0", "--reclaim-idle-after", "0.5"]
+    off = ["serve", "--sessions-per-client", "0", "--reclaim-idle-after", "0.5"]
     off = _admission(_parser().parse_args(off), model)
     assert off.per_client is None and off.reclaim_after_s == 0.5
     with pytest.raises(ValueError, match="kv-budget-mib"):
         _admission(_parser().parse_args(["serve", "--kv-budget-mib", "0"]), model)
-    with pytest.raises(ValueError, match="sessions-per-token"):
-        _admission(_parser().parse_args(["serve", "--sessions-per-token", "-1"]), model)
+    with pytest.raises(ValueError, match="sessions-per-client"):
+        _admission(_parser().parse_args(["serve", "--sessions-per-client", "-1"]), model)
     with pytest.raises(ValueError, match="reclaim-idle-after"):
         _admission(_parser().parse_args(["serve", "--reclaim-idle-after", "-1"]), model)
 

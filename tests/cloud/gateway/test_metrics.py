@@ -17,7 +17,8 @@ from specsplit.cloud.gateway.metrics import GatewayMetrics
 from specsplit.cloud.gateway.service import start_gateway
 from specsplit.cloud.gateway.triton_client import VerifyReply
 from specsplit.edge.generation import GenerationStats
-from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
+from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
 from tests.fakes import MODEL, NOWHERE, FakeTriton
 
@@ -132,6 +133,38 @@ def test_counters_follow_the_protocol_in_vllm_vocabulary():
     assert value(m, "specsplit_received_bytes_total") == sent
     assert value(m, "specsplit_sent_bytes_total") > 0
     assert not any(name == "specsplit_errors_total" for name, _ in m)
+
+
+def test_request_latency_and_token_counters_in_vllm_names():
+    """What operators alert on first: time to first token, inter-token and end-to-end latency,
+    queue time; prompt and generation tokens."""
+    params = pb.SamplingParams(max_new_tokens=5)
+    cloud_only = pb.ClientMessage(
+        start=pb.Start(
+            protocol_version=PROTOCOL_VERSION,
+            prompt_ids=[1, 2, 3, 4],
+            sampling=params,
+            session_mode=SESSION_MODE_TO_PB[SessionMode.CLOUD_ONLY],
+        )
+    )
+
+    async def main():
+        async with gateways(1) as [(address, service)]:
+            codes = [await stream(address, [cloud_only]) for _ in range(2)]
+            return codes, await settled_registry(service)
+
+    codes, m = asyncio.run(main())
+    assert codes == [grpc.StatusCode.OK] * 2
+    assert value(m, "specsplit_prompt_tokens_total") == 2 * 4
+    assert value(m, "specsplit_generation_tokens_total") == 2 * 5  # one token a Verdict
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert value(m, f"specsplit_{name}_seconds_count") == 2, name
+    assert value(m, "specsplit_inter_token_latency_seconds_count") == 2 * 4  # between 5 Verdicts
+    e2e, ttft = (
+        value(m, f"specsplit_{n}_seconds_sum")
+        for n in ("e2e_request_latency", "time_to_first_token")
+    )
+    assert 0 < ttft <= e2e
 
 
 def test_errors_are_counted_by_status_code():

@@ -117,3 +117,17 @@ def test_edge_cli_with_tls_and_token_from_env(secured, certs, plain_output):
     env.pop("SPECSPLIT_TOKEN")
     bad = subprocess.run([EDGE, *args], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode != 0 and "UNAUTHENTICATED" in bad.stderr
+
+
+def test_the_gateway_liveness_probe_speaks_tls(secured, certs, capfd):
+    """deploy/k8s probes a TLS gateway with the probe module: the kubelet's gRPC probe speaks
+    plaintext only, which a TLS gateway refuses (so would the probe without --tls-ca)."""
+    from specsplit.cloud.supervision.probe import main as probe
+
+    tls = ["--tls-ca", str(certs.ca)]
+    assert probe(["gateway", "--address", secured.address, *tls]) == 0
+    # The manifests' form: 127.0.0.1 probed, the certificate's name given apart.
+    assert probe(["gateway", "--address", secured.address, *tls, "--server-name", "localhost"]) == 0
+    capfd.readouterr()
+    assert probe(["gateway", "--address", secured.address, "--timeout", "2"]) == 1
+    assert "health check" in capfd.readouterr().err
