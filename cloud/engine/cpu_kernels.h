@@ -17,4 +17,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* ---- block-32 formats (cpu_block_quants.c): GGUF's Q8_0, Q5_0, Q4_0 at their own widths ----
+   fmt: 0 q8_0, 1 q5_0, 2 q4_0 (block_quants.FORMATS); high: q5_0's high bits, else NULL. */
+void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs, const int16_t *xsum,
+                          int64_t M, int64_t K, const uint8_t *v, const uint32_t *high,
+                          const uint16_t *d, int64_t N, float *out, int nt);
+void specsplit_block_gemm_vnni(int fmt, const int8_t *xq, const float *xs, const int16_t *xsum,
+                               int64_t M, int64_t K, const uint8_t *v, const uint32_t *high,
+                               const uint16_t *d, int64_t N, float *out, int nt);
+
 #endif

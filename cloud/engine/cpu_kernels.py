@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 __all__ = ["GROUP", "PAIR", "KernelWeights", "check_width", "paired", "per_block"]  # re-exported
 
 # Compiled together into one library; the header is part of what the cache key hashes.
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c", "cpu_block_quants.c")
+)
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 BACKEND_ENV = "SPECSPLIT_CPU_KERNELS"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -68,6 +70,8 @@ _SIGNATURES = {
     "specsplit_gemm_vnni": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F32]
     + [_I64, _F32, _P, _INT],
+    "specsplit_block_gemm": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
+    "specsplit_block_gemm_vnni": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
 }
 
 
