@@ -79,6 +79,7 @@ typedef struct {
     const uint16_t *d;    /* float16 group scales */
     int64_t N;
     float *out;
+    int64_t groups; /* in each stream: blocks of columns x K / 32 */
 } block_gemm_args;
 
 /* ---- AVX2 + FMA (+ F16C, which every AVX2 CPU has): 8 columns a vector ---- */
@@ -190,8 +191,8 @@ AVX2_TARGET void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs
                                       const int16_t *xsum, int64_t M, int64_t K,
                                       const uint8_t *v, const uint32_t *high, const uint16_t *d,
                                       int64_t N, float *out, int nt) {
-    const block_gemm_args a = {xq, xs, xsum, M, K, v, high, d, N, out};
     const int64_t blocks = (N + AVX2_LANES - 1) / AVX2_LANES;
+    const block_gemm_args a = {xq, xs, xsum, M, K, v, high, d, N, out, blocks * (K / QK)};
     if (fmt == Q8_0) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t cb = 0; cb < blocks; cb++) avx2_block(Q8_0, &a, cb);
@@ -208,6 +209,11 @@ AVX2_TARGET void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #define LANES 16
+/* q5_0 reads three streams and does the most work a byte; the hardware prefetcher alone left
+   it ~20% below q4_0's and int8's GB/s on EPYC (one core, one row, K = 896). Asking for its
+   values and high bits 4 groups ahead closes that; q8_0 and q4_0 stream as fast without
+   (q8_0 ~5% slower with). */
+#define PREFETCH_GROUPS 4
 
 /* One group's eight weight vectors as unsigned bytes u (q8_0: v + 128, stored so). */
 static inline __attribute__((always_inline)) VNNI_TARGET void vnni_weights(
@@ -241,6 +247,11 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
     for (int i = 0; i < rt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int64_t at = cb * G + g;
+        if (fmt == Q5_0 && at + PREFETCH_GROUPS < a->groups) {
+            const char *ahead = (const char *)((const nibbles_group16 *)a->v + at + PREFETCH_GROUPS);
+            for (int o = 0; o < (int)sizeof(nibbles_group16); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)(a->high + (at + PREFETCH_GROUPS) * LANES), _MM_HINT_T0);
+        }
         __m512i w[8];
         vnni_weights(fmt, a, at, w);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(a->d + at * LANES)));
@@ -280,8 +291,8 @@ VNNI_TARGET void specsplit_block_gemm_vnni(int fmt, const int8_t *xq, const floa
                                            const int16_t *xsum, int64_t M, int64_t K,
                                            const uint8_t *v, const uint32_t *high,
                                            const uint16_t *d, int64_t N, float *out, int nt) {
-    const block_gemm_args a = {xq, xs, xsum, M, K, v, high, d, N, out};
     const int64_t blocks = (N + LANES - 1) / LANES;
+    const block_gemm_args a = {xq, xs, xsum, M, K, v, high, d, N, out, blocks * (K / QK)};
     if (fmt == Q8_0) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t cb = 0; cb < blocks; cb++) vnni_block(Q8_0, &a, cb);
