@@ -162,13 +162,23 @@ def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KernelWei
         nib = low[..., 0, :] | (low[..., 1, :] << 4)  # element 8i + t low, 8i + 4 + t high
         streams = [nib.permute(0, 2, 3, 1, 4)]  # [NB, G, i, L, t]
         if fmt == "q5_0":
-            high = (u >> 4).to(torch.int64)  # [NB, L, G, j, t]
-            place = 8 * torch.arange(4)[None, :] + torch.arange(8)[:, None]  # bit 8t + j
-            word = (high << place).sum((-2, -1))  # [NB, L, G] < 2^32
-            word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-            streams.append(word.permute(0, 2, 1))  # [NB, G, L]
+            streams.append(_high_bits(backend, (u >> 4).to(torch.int64)))
     streams.append(_blocks(d, lanes).permute(0, 2, 1))  # [NB, G, L] float16
     return KernelWeights(backend, BITS[fmt], n, k, tuple(t.contiguous() for t in streams))
+
+
+def _high_bits(backend: str, high: torch.Tensor) -> torch.Tensor:
+    """q5_0's high bits [NB, L, G, j, t] (element 4j + t of each column) -> the kernel's stream:
+    avx2 [NB, G, L] int32, bit 8t + j; avx512vnni [NB, G, j * 8] uint8, the bytes of a 64-bit
+    mask per vector j, bit 4n + t (cpu_block_quants.c's header)."""
+    if backend == "avx2":
+        place = 8 * torch.arange(4)[None, :] + torch.arange(8)[:, None]  # [j, t]: bit 8t + j
+        word = (high << place).sum((-2, -1))  # [NB, L, G] < 2^32
+        word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+        return word.permute(0, 2, 1)
+    nb, lanes, groups = high.shape[:3]
+    bits = high.permute(0, 2, 3, 1, 4).reshape(nb, groups, 8, lanes * 4 // 8, 8)  # [.., byte, bit]
+    return (bits << torch.arange(8)).sum(-1).to(torch.uint8).reshape(nb, groups, -1)
 
 
 def _check_natural(fmt: str, tensors: tuple[torch.Tensor, ...]) -> None:
