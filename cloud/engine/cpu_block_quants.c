@@ -23,7 +23,8 @@ Weight layout ("columns", block_quants.pack makes it from the natural one), for 
 blocks of L output columns (L = 8 for AVX2, 16 for AVX-512), one 32-bit lane per column, N
 padded with zero columns to whole blocks; per block and group:
   q8_0  eight vectors [8 j][L][4 t]: lane n, byte t of vector j = element 4j + t of column n
-        (AVX2: v as int8; AVX-512: u = v + 128 as uint8, for u8 x s8 vpdpbusd);
+        (AVX2: v as int8, vpmaddubsw taking |v| and moving v's sign onto xq, as cpu_kernels.c's
+        int8 does; AVX-512: u = v + 128 as uint8, for u8 x s8 vpdpbusd);
   q5_0, q4_0  four vectors [4 i][L][4 t] of nibbles: byte t of lane n of vector i holds the
         low 4 bits of u of element 8i + t (low nibble) and 8i + 4 + t (high nibble);
   q5_0  the high bits of u, 4 bytes per column: AVX2, one uint32 per column [L] whose bit
