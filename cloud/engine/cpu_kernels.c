@@ -31,6 +31,11 @@ it in torch as ``reference_gemm`` for the tests):
 Integer sums are exact whatever their order (any kernel may add them as it likes; int32
 wrap-around cancels where a kernel's partial sums overflow and the true sum does not), so only
 that float sequence fixes the result.
+The block-32 formats (GGUF's Q8_0, Q5_0, Q4_0: cpu_block_quants.c) have a float16 scale d per
+group and no super-block scale; their canonical product (block_quants.reference_gemm in torch):
+  S[r, n, g] = sum over the group's k of v[n, k] * xq[r, k]   (exact int32, v the signed value)
+  a = 0.0f; for g in order:  a = a + (float)S * (d[n, g] * xs[r, g / P]);   out[r, n] = a;
+  d widened exactly from float16; every float operation rounded on its own.
 
 Weight layouts, one per kernel (cpu_kernels.pack makes them from the natural one):
   AVX2 ("paired"): int8 q and activations as each pair of groups' four 16-value halves

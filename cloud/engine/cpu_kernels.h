@@ -74,4 +74,13 @@ void specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_weights *w
 void specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
                             float *out, int nt);
 
+/* ---- block-32 formats (cpu_block_quants.c): GGUF's Q8_0, Q5_0, Q4_0 at their own widths ----
+   fmt: 0 q8_0, 1 q5_0, 2 q4_0 (block_quants.FORMATS); high: q5_0's high bits, else NULL. */
+void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs, const int16_t *xsum,
+                          int64_t M, int64_t K, const uint8_t *v, const uint32_t *high,
+                          const uint16_t *d, int64_t N, float *out, int nt);
+void specsplit_block_gemm_vnni(int fmt, const int8_t *xq, const float *xs, const int16_t *xsum,
+                               int64_t M, int64_t K, const uint8_t *v, const uint32_t *high,
+                               const uint16_t *d, int64_t N, float *out, int nt);
+
 #endif

@@ -96,6 +96,8 @@ _SIGNATURES = {
     + [_I64, _F32, _P, _INT],
     "specsplit_kq_gemm": [_P, _P, _P, _INT],
     "specsplit_kq_gemm_vnni": [_P, _P, _P, _INT],
+    "specsplit_block_gemm": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
+    "specsplit_block_gemm_vnni": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
 }
 # Return types of the functions that return something (the others return void).
 _RETURNS = {

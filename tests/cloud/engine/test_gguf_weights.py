@@ -179,3 +179,28 @@ def test_formats_dequantize_as_gguf_does():
         raw = _raw(fmt, 32, 512, rng)
         got = formats.dequantize(fmt, formats.from_gguf(fmt, raw))
         assert torch.equal(got, _dequantized(fmt, raw).float()), fmt
+
+
+# Every GGUF format at once, mixed inside the fused linears (as the draft's Q4_K_M file mixes
+# Q5_0, Q8_0, Q4_K and Q6_K).
+MIXED = {
+    "self_attn.q_proj": "q5_0",
+    "self_attn.k_proj": "q8_0",
+    "self_attn.v_proj": "q4_0",
+    "self_attn.o_proj": "q5_k",
+    "mlp.gate_proj": "q4_k",
+    "mlp.up_proj": "q8_0",
+    "mlp.down_proj": "q6_k",
+}
+
+
+def test_every_format_mixed_in_one_model_is_batch_invariant(tmp_path):
+    mixed = _build(tmp_path, MIXED)
+    forward = TargetModel(mixed, device="cpu", calibrate=False, weights="gguf").forward
+    assert forward.layers[0].qkv.formats == ["q5_0", "q8_0", "q4_0"]
+    assert forward.layers[0].gate_up.formats == ["q4_k", "q8_0"]
+    rng = np.random.default_rng(6)
+    sequences = [rng.integers(0, VOCAB, size=n).tolist() for n in (20, 9)]
+    batched = ragged_passes(forward, sequences, rng, max_rows=5)
+    for sid, seq in enumerate(sequences):
+        assert torch.equal(batched[sid], stepped_alone(forward, seq, sid=70 + sid))
