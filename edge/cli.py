@@ -132,7 +132,9 @@ def _serve(args) -> int:
             "specsplit-edge: --max-waiting must be >= 0, --max-body-bytes >= 1, --send-timeout > 0"
         )
     from specsplit.edge.openai.app import ServeConfig
-    from specsplit.edge.openai.serve import run_server
+    from specsplit.edge.openai.serve import check_exposure, run_server
+
+    check_exposure(args.host, args.api_key)  # before a draft is fetched or exported
 
     tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     cfg = ServeConfig(
@@ -147,6 +149,7 @@ def _serve(args) -> int:
         threads=args.threads,
         client=dict(token=args.token, **tls),
         api_key=args.api_key or None,
+        allowed_hosts=tuple(args.allowed_host or ()),
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         send_timeout_s=args.send_timeout,
@@ -256,7 +259,16 @@ def _add_serve_parser(sub) -> None:
     s.add_argument(
         "--api-key",
         default=os.environ.get("SPECSPLIT_API_KEY"),
-        help="require this key as the OpenAI API key on /v1 (default $SPECSPLIT_API_KEY)",
+        help="require this key as the OpenAI API key on /v1 (default $SPECSPLIT_API_KEY); "
+        "required when --host is not a loopback address",
+    )
+    s.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a Host name to answer besides localhost, IP addresses and this machine's name "
+        "(repeatable; '*' answers any: only behind a proxy that checks Host). Others get 403: "
+        "a defence against DNS rebinding",
     )
     s.add_argument("-v", "--verbose", action="store_true")
 

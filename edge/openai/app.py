@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.openai.health import HealthProbe
+from specsplit.edge.openai.hosts import HostAllowList, HostPolicy
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING, RequestLimits
 from specsplit.edge.openai.pool import ClientPool, Run
 from specsplit.edge.openai.responses import Reply, finish_reason, speculation, sse, usage
@@ -70,6 +71,8 @@ class ServeConfig:
     threads: int | None = None  # ONNX Runtime intra-op threads per drafter
     client: dict = field(default_factory=dict)  # SplitClient's TLS and token keywords
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered beyond loopback (edge.openai.hosts)
+    bound_host: str | None = None  # the address or name the server listens on (also allowed)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai.limits)
     max_waiting: int = MAX_WAITING  # requests waiting for a slot; more at once: 429
     send_timeout_s: float = 60.0  # a stream its client does not read for this long is ended
@@ -300,6 +303,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.add_middleware(RequestLimits, **limits)
     if cfg.api_key:
         _require_api_key(app, cfg.api_key)
+    # Last added, so outermost: a rebound name gets nothing else, not even a 401 or 429.
+    app.add_middleware(HostAllowList, policy=HostPolicy(cfg.allowed_hosts, cfg.bound_host))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -317,14 +322,16 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         cloud = await endpoint.health.check()
         return JSONResponse(cloud.body(), status_code=200 if cloud.ok else 503)
 
+    # Tokenising (and rendering a chat template) takes a while on a body of megabytes: in a
+    # worker thread, so the event loop keeps streaming the other requests' tokens meanwhile.
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
-        plan = chat_plan(req, endpoint.codec, cfg.generation)
+        plan = await asyncio.to_thread(chat_plan, req, endpoint.codec, cfg.generation)
         return await endpoint.answer(plan, Reply(chat=True, model=cfg.model_name))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        plan = completion_plan(req, endpoint.codec, cfg.generation)
+        plan = await asyncio.to_thread(completion_plan, req, endpoint.codec, cfg.generation)
         return await endpoint.answer(plan, Reply(chat=False, model=cfg.model_name))
 
     return app
