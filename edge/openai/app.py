@@ -26,13 +26,14 @@ from pathlib import Path
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.openai.health import HealthProbe
 from specsplit.edge.openai.hosts import HostAllowList, HostPolicy
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING, RequestLimits
+from specsplit.edge.openai.metrics import EdgeMetrics, speculative_decoding
 from specsplit.edge.openai.pool import ClientPool, Run
 from specsplit.edge.openai.responses import Reply, finish_reason, speculation, sse, usage
 from specsplit.edge.openai.schema import (
@@ -145,12 +146,16 @@ class Endpoint:
 
         self.pool = ClientPool(cfg.concurrency, make_drafter, address=cfg.server, **cfg.client)
         self.health = HealthProbe(cfg.server, **cfg.client)
+        self.metrics = EdgeMetrics()
 
     async def answer(self, plan: RequestPlan, reply: Reply):
+        taken = time.perf_counter()
         client = await self.pool.acquire()
         run = None
         try:
             run = Run(client, plan, self.cfg.mode)
+            run.taken = taken
+            self.metrics.running.inc()
             first = await run.next()  # the cloud's errors at Start become HTTP statuses
         except Exception as e:
             await self._finish(run, client)
@@ -173,7 +178,10 @@ class Endpoint:
         self._log(plan, text, stopped, run)
         n = usage(len(plan.prompt_ids), len(text.ids))
         finish = finish_reason(stats, stopped)
-        return reply.complete(content, finish, n, speculation(stats, stopped))
+        self._observe(run, plan, text, finish)
+        answer = reply.complete(content, finish, n, speculation(stats, stopped))
+        answer["metrics"] = {"speculative_decoding": speculative_decoding(stats)}
+        return answer
 
     async def _events(
         self, run: Run, first: list[int] | None, text: TextStream, plan: RequestPlan, reply: Reply
@@ -188,18 +196,31 @@ class Endpoint:
             return
         stats, stopped = run.gen.stats, text.stopped
         self._log(plan, text, stopped, run)
-        last = reply.chunk(None, finish_reason(stats, stopped))
+        finish = finish_reason(stats, stopped)
+        self._observe(run, plan, text, finish)
+        last = reply.chunk(None, finish)
         last["specsplit"] = speculation(stats, stopped)
+        last["metrics"] = {"speculative_decoding": speculative_decoding(stats)}
         yield sse(last)
         if plan.include_usage:
             yield sse(reply.usage_chunk(usage(len(plan.prompt_ids), len(text.ids))))
         yield sse("[DONE]")
+
+    def _observe(self, run: Run, plan: RequestPlan, text: TextStream, finish: str) -> None:
+        now = time.perf_counter()
+        generated = len(text.ids)
+        self.metrics.observe(
+            run.gen.stats, len(plan.prompt_ids), generated, finish, run.began - run.taken,
+            now - run.taken,
+        )  # fmt: skip
 
     async def _finish(self, run: Run | None, client: SplitClient) -> None:
         try:
             if run is not None:
                 await run.close()
         finally:
+            if run is not None:
+                self.metrics.running.dec()
             self.pool.release(client)
 
     def _log(self, plan: RequestPlan, text: TextStream, stopped: bool, run: Run) -> None:
@@ -315,6 +336,12 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if model_id != cfg.model_name:
             raise APIError(404, f"model {model_id!r} not found", code="model_not_found")
         return card
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text (edge.openai.metrics); open without the API key, as /health is."""
+        body, content_type = endpoint.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health() -> JSONResponse:
