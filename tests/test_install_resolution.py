@@ -145,10 +145,10 @@ def dry_run(requirements: list[Requirement], platform: Platform, index: str) -> 
 
 @pytest.mark.parametrize("name", PLATFORMS)
 def test_the_edge_extras_resolve_on_each_platform(name, index):
-    """`edge` and `edge-cpu` everywhere, `edge-cuda` where onnxruntime-gpu has wheels, in one pip
-    call per platform: the requirements of the extras, plain ones once."""
+    """`edge`, `edge-cpu` and `webgpu` everywhere, `edge-cuda` where onnxruntime-gpu has wheels,
+    in one pip call per platform: the requirements of the extras, plain ones once."""
     platform = PLATFORMS[name]
-    wanted = ["edge", "edge-cpu"] + (["edge-cuda"] if platform.cuda else [])
+    wanted = ["edge", "edge-cpu", "webgpu"] + (["edge-cuda"] if platform.cuda else [])
     requirements: dict[str, Requirement] = {}
     for r in (r for extra in wanted for r in selected(extra, platform)):
         r = Requirement(str(r))

@@ -70,6 +70,7 @@ class ServeConfig:
     concurrency: int = 4  # generations at once, each with its own drafter; more requests wait
     generation: GenerationConfig = GenerationConfig()  # k, retry window, target model name
     threads: int | None = None  # ONNX Runtime intra-op threads per drafter
+    provider: str = "auto"  # the drafters' execution provider (edge.onnx_drafter.PROVIDERS)
     client: dict = field(default_factory=dict)  # SplitClient's TLS and token keywords
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
     allowed_hosts: tuple[str, ...] = ()  # Host names answered beyond loopback (edge.openai.hosts)
@@ -142,7 +143,7 @@ class Endpoint:
             from specsplit.edge.onnx_drafter import OnnxDrafter
 
             def make_drafter():
-                return OnnxDrafter(cfg.draft_dir, threads=cfg.threads)
+                return OnnxDrafter(cfg.draft_dir, threads=cfg.threads, provider=cfg.provider)
 
         self.pool = ClientPool(cfg.concurrency, make_drafter, address=cfg.server, **cfg.client)
         self.health = HealthProbe(cfg.server, **cfg.client)
