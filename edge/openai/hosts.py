@@ -1,4 +1,4 @@
-"""Which ``Host`` headers the OpenAI endpoint (``openai_app``) answers: a defence against DNS
+"""Which ``Host`` headers the OpenAI endpoint (edge.openai.app) answers: a defence against DNS
 rebinding, the class of bug behind Ollama's CVE-2024-28224.
 
 A web page on ``evil.example`` can make its name resolve to 127.0.0.1 and then have the user's
