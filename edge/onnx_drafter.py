@@ -62,7 +62,7 @@ INSTALL = {
 }
 # CoreML runs no com.microsoft operator: a quantised graph's MatMulNBits (edge.export.onnx_quant)
 # would run on the CPU anyway, the graph cut into pieces around them. ``auto`` skips it then.
-QUANTISED = ("int8", "int4")
+QUANTISED = ("int8", "int4", "int4-fp16")
 _webgpu: list = []  # the plugin's EP device, once found (a registered library stays registered)
 
 
