@@ -300,7 +300,9 @@ def test_metrics_count_each_request_and_its_speculation(serve, codec):
     after = scrape(serve)
     spec = r.model_extra["metrics"]["speculative_decoding"]
     ours = r.model_extra["specsplit"]
-    assert spec["num_drafts"] == ours["num_drafts"] > 0
+    # (none, possibly: on a slow machine auto may lead, and a led stream of this unrelated draft
+    # pauses its drafting)
+    assert spec["num_drafts"] == ours["num_drafts"]
     assert spec["num_accepted_tokens"] == ours["accepted"]
     assert spec["num_draft_tokens"] == ours["drafted"]
     assert spec["num_accepted_tokens_per_pos"] == ours["accepted_per_position"]
