@@ -156,7 +156,7 @@ async def _generate(args) -> int:
     if args.mode != "cloud-only":
         from specsplit.edge.onnx_drafter import OnnxDrafter
 
-        drafter = OnnxDrafter(draft_dir, threads=args.threads)
+        drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
     server = None if args.mode == "edge-only" else args.server
     if server is not None:
         secure = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
@@ -204,7 +204,13 @@ def _serve(args) -> int:
             "specsplit-edge: --max-waiting must be >= 0, --max-body-bytes >= 1, --send-timeout > 0"
         )
     from specsplit.edge.openai.app import ServeConfig
-    from specsplit.edge.openai.serve import run_server
+    from specsplit.edge.openai.serve import check_exposure, run_server
+
+    check_exposure(args.host, args.api_key)  # before a draft is fetched or exported
+    if args.mode == "split":  # a provider this runtime lacks fails now, not at the first request
+        from specsplit.edge.onnx_drafter import choose_provider
+
+        choose_provider(args.provider)
 
     tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     cfg = ServeConfig(
@@ -221,11 +227,59 @@ def _serve(args) -> int:
         threads=args.threads,
         client=dict(token=args.token, insecure=args.insecure, **tls),
         api_key=args.api_key or None,
+        allowed_hosts=tuple(args.allowed_host or ()),
+        provider=args.provider,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         send_timeout_s=args.send_timeout,
     )
     return run_server(cfg, args.host, args.port, verbose=args.verbose)
+
+
+def _info(args) -> int:
+    """What the edge runs on here: the runtime, its providers, the one chosen, the draft's speed."""
+    from specsplit.edge.onnx_drafter import (
+        PROVIDERS,
+        OnnxDrafter,
+        available_providers,
+        ms_per_token,
+        runtime_distribution,
+    )
+
+    if args.steps < 1:
+        raise SystemExit("specsplit-edge: --steps must be >= 1")
+    draft_dir = ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
+    drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
+    ms = ms_per_token(drafter, args.steps)
+    threads = (
+        f"{args.threads} (intra-op)"
+        if args.threads
+        else f"ONNX Runtime's default, one per physical core ({os.cpu_count()} logical CPUs)"
+    )
+    fallback = ""
+    if drafter.provider != PROVIDERS[drafter.chosen]:  # CUDA offered, its libraries absent
+        fallback = f"; {drafter.chosen} could not start here"
+    rows = [
+        ("runtime", runtime_distribution()),
+        ("offered", ", ".join(available_providers())),
+        ("provider", f"{drafter.provider} (asked: {args.provider}{fallback})"),
+        ("threads", threads),
+        ("draft", f"{draft_dir} ({drafter.precision})"),
+        ("ms/token", f"{ms:.2f} (median of {args.steps} single-token steps)"),
+    ]
+    for name, value in rows:
+        print(f"{name:<10} {value}")
+    return 0
+
+
+def _add_provider_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--provider",
+        default="auto",
+        help="ONNX Runtime execution provider for the draft: auto (the device's accelerator "
+        "this runtime offers: cuda, coreml, directml, webgpu, else cpu), or one of those "
+        "(default auto; `specsplit-edge info` shows what is offered)",
+    )
 
 
 def _pull(args) -> int:
@@ -350,10 +404,20 @@ def _add_serve_parser(sub) -> None:
         f"with a retry hint, before answering 503 or 429 (default {DEFAULT_WINDOW_S:.0f})",
     )
     s.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per drafter")
+    _add_provider_arg(s)
     s.add_argument(
         "--api-key",
         default=os.environ.get("SPECSPLIT_API_KEY"),
-        help="require this key as the OpenAI API key on /v1 (default $SPECSPLIT_API_KEY)",
+        help="require this key as the OpenAI API key on /v1 (default $SPECSPLIT_API_KEY); "
+        "required when --host is not a loopback address",
+    )
+    s.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a Host name to answer besides localhost, IP addresses and this machine's name "
+        "(repeatable; '*' answers any: only behind a proxy that checks Host). Others get 403: "
+        "a defence against DNS rebinding",
     )
     s.add_argument("-v", "--verbose", action="store_true", help="log each request")
 
@@ -425,8 +489,18 @@ def _parser() -> argparse.ArgumentParser:
         f"with a retry hint, per outage (default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
     )
     g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
+    _add_provider_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_serve_parser(sub)
+    i = sub.add_parser(
+        "info",
+        help="the execution provider, threads and the draft's ms/token",
+        formatter_class=HelpFormatter,
+    )
+    _add_draft_args(i)
+    _add_provider_arg(i)
+    i.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ORT's)")
+    i.add_argument("--steps", type=int, default=32, help="single-token steps timed")
     p = sub.add_parser(
         "pull",
         help="fetch and export the draft ahead of time (with progress)",
@@ -476,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "pull":
             return _pull(args)
+        if args.command == "info":
+            return _info(args)
         if args.command == "serve":
             return _serve(args)
         if args.max_new_tokens < 1 or args.draft_tokens < 0:

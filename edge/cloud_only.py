@@ -23,6 +23,7 @@ async def cloud_only_rounds(stream: Stream) -> AsyncIterator[list[int]]:
         t_prev = now
         chunk = [v.token] if v.has_token else []
         stream.committed += chunk
+        stream.check_committed(v)
         if v.finished:
             stream.final = reason_name(v.reason)
         yield chunk

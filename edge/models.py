@@ -31,7 +31,9 @@ PRECISIONS = (
     "fp32",
     "int8",
     "int4",
-)  # edge.export.exporter's weight formats (edge.export.onnx_graph)
+    "fp16",
+    "int4-fp16",
+)  # edge.export.exporter's weight formats (edge.export.onnx_graph); *fp16: for GPU providers
 # The graph's I/O contract (edge.export.onnx_graph), checked by the drafter. 2: the KV cache is one
 # buffer per layer written in place (TensorScatter); 1 returned concat(past, new) each step.
 GRAPH_FORMAT = 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,18 +39,97 @@ INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a seque
 PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt
 
 
-def default_providers() -> list[str]:
-    """CUDA when this onnxruntime build has it (ORT falls back to CPU if it cannot start)."""
-    if "CUDAExecutionProvider" in ort.get_available_providers():
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
+# --provider names -> ONNX Runtime's, in the order ``auto`` prefers them: the device's
+# accelerator (an NVIDIA GPU, Apple's Neural Engine and GPU, any DirectX 12 GPU on Windows, any
+# GPU through WebGPU), else the CPU.
+PROVIDERS = {
+    "cuda": "CUDAExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "directml": "DmlExecutionProvider",
+    "webgpu": "WebGpuExecutionProvider",
+    "cpu": "CPUExecutionProvider",
+}
+AUTO = "auto"
+# Where each comes from, for the error that names a provider this runtime does not offer.
+INSTALL = {
+    "cuda": "onnxruntime-gpu and an NVIDIA driver (the edge extra on Linux and Windows x86_64, "
+    "edge-cuda on Linux aarch64)",
+    "coreml": "the plain onnxruntime on macOS (the edge extra there)",
+    "directml": "onnxruntime-directml on Windows, installed instead of onnxruntime",
+    "webgpu": "the WebGPU plugin, pip install onnxruntime-ep-webgpu (the webgpu extra; on Linux "
+    "also a Vulkan loader, libvulkan.so.1)",
+    "cpu": "every onnxruntime",
+}
+# CoreML runs no com.microsoft operator: a quantised graph's MatMulNBits (edge.export.onnx_quant)
+# would run on the CPU anyway, the graph cut into pieces around them. ``auto`` skips it then.
+QUANTISED = ("int8", "int4", "int4-fp16")
+_webgpu: list = []  # the plugin's EP device, once found (a registered library stays registered)
+
+
+def webgpu_device():
+    """The WebGPU plugin's EP device (``onnxruntime-ep-webgpu``, registered with ONNX Runtime on
+    first use); None where the plugin is not installed, does not load, or finds no GPU."""
+    if _webgpu:
+        return _webgpu[0]
+    try:
+        import onnxruntime_ep_webgpu as plugin
+    except ImportError:
+        return None
+    try:
+        ort.register_execution_provider_library("webgpu", plugin.get_library_path())
+        device = next(d for d in ort.get_ep_devices() if d.ep_name == plugin.get_ep_name())
+    except (AttributeError, StopIteration, RuntimeError, OSError) as e:  # old ORT, no Vulkan
+        log.info("the WebGPU plugin is installed but unusable here: %s", e)
+        return None
+    _webgpu.append(device)
+    return device
+
+
+def available_providers() -> list[str]:
+    """The --provider names this ONNX Runtime offers here, in ``auto``'s order (CPU last)."""
+    offered = set(ort.get_available_providers())
+    return [
+        name
+        for name, ep in PROVIDERS.items()
+        if ep in offered or (name == "webgpu" and webgpu_device() is not None)
+    ]
+
+
+def choose_provider(requested: str = AUTO, precision: str = "fp32") -> str:
+    """``requested`` when this runtime offers it (else a ValueError that says where it comes
+    from); for ``auto``, the first offered that runs a graph of ``precision`` whole."""
+    if requested != AUTO and requested not in PROVIDERS:
+        choices = ", ".join([AUTO, *PROVIDERS])
+        raise ValueError(f"provider must be one of {choices}; got {requested!r}")
+    offered = available_providers()
+    if requested == AUTO:
+        return next(p for p in offered if not (p == "coreml" and precision in QUANTISED))
+    if requested not in offered:
+        raise ValueError(
+            f"provider {requested!r} is not offered by this ONNX Runtime {ort.__version__} "
+            f"(it offers {', '.join(offered)}); it comes with {INSTALL[requested]}"
+        )
+    return requested
+
+
+def session_providers(provider: str, options) -> list[str]:
+    """The providers list an InferenceSession takes for ``provider`` (a --provider name), CPU
+    after it for the operators it lacks; WebGPU, a plugin, is added to ``options`` instead."""
+    if provider == "webgpu":
+        options.add_provider_for_devices([webgpu_device()], {})
+        return []
+    if provider == "directml":  # DirectML takes neither (ONNX Runtime's DirectML EP docs)
+        options.enable_mem_pattern = False
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    ep = PROVIDERS[provider]
+    return [ep] if provider == "cpu" else [ep, "CPUExecutionProvider"]
 
 
 def _create_session(path: str, options, providers: list[str]) -> ort.InferenceSession:
     # onnxruntime-gpu lists CUDA even where its libraries are missing, and then logs an ERROR
     # before falling back to CPU. A fallback is expected on CPU-only machines: keep it quiet and
     # report the provider actually in use instead.
-    quiet = providers[0] == "CUDAExecutionProvider"
+    quiet = bool(providers) and providers[0] == "CUDAExecutionProvider"
     if quiet:
         ort.set_default_logger_severity(4)
     try:
@@ -105,8 +185,14 @@ class OnnxDrafter:
     """Incremental forward passes of the exported draft model with a rollback-able KV cache."""
 
     def __init__(
-        self, model_dir: Path, providers: list[str] | None = None, threads: int | None = None
+        self,
+        model_dir: Path,
+        providers: list[str] | None = None,
+        threads: int | None = None,
+        provider: str = AUTO,
     ) -> None:
+        """``provider``: a --provider name (``choose_provider``); ``providers``, ONNX Runtime's
+        own list, overrides it."""
         model_dir = Path(model_dir)
         meta = json.loads((model_dir / METADATA_FILE).read_text())
         if meta.get("format") != SUPPORTED_FORMAT:
@@ -135,9 +221,13 @@ class OnnxDrafter:
         options.inter_op_num_threads = 1
         if threads is not None:
             options.intra_op_num_threads = threads
-        self._session = _create_session(
-            str(model_dir / meta["onnx_file"]), options, providers or default_providers()
-        )
+        self.threads = threads  # None: ONNX Runtime's default (one per physical core)
+        self.chosen: str | None = None  # the --provider name chosen (None: given ``providers``)
+        if providers is None:
+            self.chosen = choose_provider(provider, self.precision)
+            providers = session_providers(self.chosen, options)
+        self._session = _create_session(str(model_dir / meta["onnx_file"]), options, providers)
+        # The provider it runs on (CUDA falls back to CPU where its libraries cannot start).
         self.provider: str = self._session.get_providers()[0]
 
         layers = [
@@ -206,3 +296,33 @@ class OnnxDrafter:
 
     def reset(self) -> None:
         self.truncate(0)
+
+
+def runtime_distribution() -> str:
+    """Which ONNX Runtime distribution is installed (they share the module ``onnxruntime``)."""
+    from importlib import metadata
+
+    for name in ("onnxruntime-gpu", "onnxruntime-directml", "onnxruntime"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"onnxruntime {ort.__version__}"
+
+
+def ms_per_token(drafter: OnnxDrafter, steps: int = 32, prompt_len: int = 16) -> float:
+    """The draft's median milliseconds per single-token step (the lock-step drafting cost),
+    greedy, after a ``prompt_len``-token prompt; the drafter's cache is reset after."""
+    if steps < 1 or prompt_len < 1:
+        raise ValueError("steps and prompt_len must be >= 1")
+    drafter.reset()
+    token = int(
+        np.argmax(drafter.forward([i % drafter.token_count for i in range(prompt_len)])[-1])
+    )
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        token = int(np.argmax(drafter.forward([token])[-1]))
+        times.append((time.perf_counter() - t0) * 1e3)
+    drafter.reset()
+    return float(np.median(times))

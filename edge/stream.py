@@ -137,14 +137,36 @@ class Stream:
     async def finish(self) -> None:
         """After the final verdict: Finished, and the client's half of the call closed."""
         finished = await self.recv("finished")
+        if finished.committed_len != len(self.committed):
+            # Every token was already handed on, each with a Verdict that agreed: a re-open
+            # would extend a finished generation, so this one fails instead (not retried).
+            raise SpecsplitError(
+                grpc.StatusCode.INTERNAL,
+                f"the cloud's Finished says committed_len {finished.committed_len}, the edge "
+                f"committed {len(self.committed)} (after its final Verdict agreed)",
+            )
         self.stats.target_forward_passes += finished.target_forward_passes
         self.stats.drafts_dropped += finished.drafts_dropped
         self.stats.finish = reason_name(finished.reason)
         await self.call.done_writing()
 
+    def check_committed(self, v: pb.Verdict) -> None:
+        """After the loop committed ``v``: both sides agree on committed_len (the proto's
+        invariant), or the stream fails as UNAVAILABLE before the verdict's tokens are handed
+        on, so that the generation re-opens from the prefix both last agreed on (edge.retry)."""
+        if v.committed_len != len(self.committed):
+            raise rpc_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the cloud's Verdict of round {v.round} says committed_len {v.committed_len}, "
+                f"the edge committed {len(self.committed)} (accepted {v.accepted}, "
+                f"has_token {v.has_token}): re-opening from the edge's last agreed prefix",
+            )
+
     def observe(self, v: pb.Verdict, draft_ms: float, round_ms: float) -> StepCounts:
         """A verdict's statistics (the modes that draft; cloud-only keeps fewer); returns what
-        it counts for (shared.spec_counts: what the target verified, not what was sent)."""
+        it counts for (shared.spec_counts: what the target verified, not what was sent).
+        Checks committed_len first (``check_committed``): call it once ``v`` is committed."""
+        self.check_committed(v)
         stats = self.stats
         step = stats.observe_verdict(v)
         stats.draft_ms.append(draft_ms)

@@ -13,6 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specsplit.edge.export.onnx_quant import INT8_BLOCK, quantize_blocks, quantize_blocks_4bit
 
+HALF = ("fp16", "int4-fp16")  # precisions whose Linears compute in float16
+
 _ALIGN = 4096  # page-aligned external-data offsets (lets ORT mmap large initializers)
 _INLINE_BYTES = 4096  # smaller tensors stay inside model.onnx
 
@@ -56,7 +58,11 @@ class GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.precision = precision
-        self.int8 = precision != "fp32"  # int8 embedding table and LM head for int4 too
+        # int8 embedding table and LM head for the 4-bit formats too
+        self.int8 = precision not in ("fp32", "fp16")
+        # Linears computed in float16 (their inputs cast down, their outputs back up): the GPU
+        # providers' fast GEMMs and MatMulNBits kernels take fp16 activations
+        self.half = precision in HALF
         self._data = data
         self._count = 0
         self._consts: set[str] = set()
@@ -97,15 +103,27 @@ class GraphBuilder:
         bits: int = 0,
         bias: np.ndarray | None = None,
     ) -> str:
-        """x @ weight.T (+ bias) for an HF Linear weight [out, in]: fp32 MatMul, or MatMulNBits
-        in ``bits`` (default: the graph's precision)."""
+        """x @ weight.T (+ bias) for an HF Linear weight [out, in]: MatMul, or MatMulNBits in
+        ``bits`` (default: the graph's precision); in float16 for the ``HALF`` precisions, x
+        cast down first and the product cast back to float32 (the bias is added in float32)."""
         if bias is not None:
             y = self.linear(x, weight, name, bits=bits)
             return self.op("Add", [y, self.const(f"{name}.bias", bias)], out=out)
+        if not self.half:
+            return self._product(x, weight, name, bits, out)
+        x16 = self.op("Cast", [x], to=TensorProto.FLOAT16)
+        return self.op(
+            "Cast", [self._product(x16, weight, name, bits)], to=TensorProto.FLOAT, out=out
+        )
+
+    def _product(self, x: str, weight: np.ndarray, name: str, bits: int, out: str | None = None):
+        dtype = np.float16 if self.half else np.float32  # of x, the weight and the scales
         if not self.int8:
-            return self.op("MatMul", [x, self.const(f"{name}.weight_t", weight.T)], out=out)
+            return self.op(
+                "MatMul", [x, self.const(f"{name}.weight_t", weight.T.astype(dtype))], out=out
+            )
         n, k = weight.shape
-        bits = bits or (4 if self.precision == "int4" else 8)
+        bits = bits or (4 if self.precision in ("int4", "int4-fp16") else 8)
         if bits == 8:
             blocks, scales = quantize_blocks(weight, INT8_BLOCK)  # [n, k/b, b], [n * k/b]
             zero = []
@@ -113,7 +131,7 @@ class GraphBuilder:
             blocks, scales, zeros = quantize_blocks_4bit(weight, INT8_BLOCK)
             zero = [self.const(f"{name}.zero_q4", zeros)]
         inputs = [x, self.const(f"{name}.weight_q{bits}", blocks)]
-        inputs += [self.const(f"{name}.scale", scales), *zero]
+        inputs += [self.const(f"{name}.scale", scales.astype(dtype)), *zero]
         return self.op(
             "MatMulNBits", inputs, out=out, domain="com.microsoft",
             K=k, N=n, bits=bits, block_size=INT8_BLOCK, accuracy_level=4,

@@ -229,6 +229,9 @@ def _embedding(g: GraphBuilder, spec: ModelSpec, embed: np.ndarray) -> str:
         return _int8_lookup(g, embed, scale)
     if scale is not None:  # Gemma: embed * sqrt(hidden), the same float32 product per element
         embed = embed * scale
+    if g.half:  # a float16 table (half the memory), its rows cast up as they are looked up
+        rows = g.op("Gather", [g.const("embed_tokens.fp16", embed.astype(np.float16)), "input_ids"])
+        return g.op("Cast", [rows], to=TensorProto.FLOAT)
     return g.op("Gather", [g.const("embed_tokens.weight", embed), "input_ids"])
 
 
@@ -288,11 +291,14 @@ def build_model(
     precision "fp32": every weight fp32. "int8": Linear weights as block-wise int8 MatMulNBits
     (accuracy_level 4: int8 compute), embedding per-row int8; norms, biases, attention fp32.
     "int4": as int8 but the Linears before the LM head in 4-bit blocks.
+    "fp16" and "int4-fp16": as "fp32" and "int4", every Linear computed in float16 (the
+    embedding table too, for "fp16"); the residual stream, norms, rotary, attention and the KV
+    cache stay float32, so the graph's inputs and outputs are those of the others.
     ``on_layer(done, total)`` is called after each decoder layer (export progress).
     ``head_rows``: the token ids whose logits the graph computes, in its ``logits`` order
     (None: the whole vocabulary).
     """
-    assert precision in ("fp32", "int8", "int4"), precision
+    assert precision in ("fp32", "int8", "int4", "fp16", "int4-fp16"), precision
     data = ExternalData(out_path.with_name(out_path.name + ".data"))
     try:
         g = GraphBuilder(data, precision)

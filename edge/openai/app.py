@@ -26,12 +26,14 @@ from pathlib import Path
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.openai.health import HealthProbe
+from specsplit.edge.openai.hosts import HostAllowList, HostPolicy
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING, RequestLimits
+from specsplit.edge.openai.metrics import EdgeMetrics, speculative_decoding
 from specsplit.edge.openai.pool import ClientPool, Run
 from specsplit.edge.openai.responses import Reply, finish_reason, speculation, sse, usage
 from specsplit.edge.openai.schema import (
@@ -68,8 +70,11 @@ class ServeConfig:
     concurrency: int = 4  # generations at once, each with its own drafter; more requests wait
     generation: GenerationConfig = GenerationConfig()  # k, retry window, target model name
     threads: int | None = None  # ONNX Runtime intra-op threads per drafter
+    provider: str = "auto"  # the drafters' execution provider (edge.onnx_drafter.PROVIDERS)
     client: dict = field(default_factory=dict)  # SplitClient's TLS and token keywords
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered beyond loopback (edge.openai.hosts)
+    bound_host: str | None = None  # the address or name the server listens on (also allowed)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai.limits)
     max_waiting: int = MAX_WAITING  # requests waiting for a slot; more at once: 429
     send_timeout_s: float = 60.0  # a stream its client does not read for this long is ended
@@ -138,16 +143,20 @@ class Endpoint:
             from specsplit.edge.onnx_drafter import OnnxDrafter
 
             def make_drafter():
-                return OnnxDrafter(cfg.draft_dir, threads=cfg.threads)
+                return OnnxDrafter(cfg.draft_dir, threads=cfg.threads, provider=cfg.provider)
 
         self.pool = ClientPool(cfg.concurrency, make_drafter, address=cfg.server, **cfg.client)
         self.health = HealthProbe(cfg.server, **cfg.client)
+        self.metrics = EdgeMetrics()
 
     async def answer(self, plan: RequestPlan, reply: Reply):
+        taken = time.perf_counter()
         client = await self.pool.acquire()
         run = None
         try:
             run = Run(client, plan, self.cfg.mode)
+            run.taken = taken
+            self.metrics.running.inc()
             first = await run.next()  # the cloud's errors at Start become HTTP statuses
         except Exception as e:
             await self._finish(run, client)
@@ -170,7 +179,10 @@ class Endpoint:
         self._log(plan, text, stopped, run)
         n = usage(len(plan.prompt_ids), len(text.ids))
         finish = finish_reason(stats, stopped)
-        return reply.complete(content, finish, n, speculation(stats, stopped))
+        self._observe(run, plan, text, finish)
+        answer = reply.complete(content, finish, n, speculation(stats, stopped))
+        answer["metrics"] = {"speculative_decoding": speculative_decoding(stats)}
+        return answer
 
     async def _events(
         self, run: Run, first: list[int] | None, text: TextStream, plan: RequestPlan, reply: Reply
@@ -185,18 +197,31 @@ class Endpoint:
             return
         stats, stopped = run.gen.stats, text.stopped
         self._log(plan, text, stopped, run)
-        last = reply.chunk(None, finish_reason(stats, stopped))
+        finish = finish_reason(stats, stopped)
+        self._observe(run, plan, text, finish)
+        last = reply.chunk(None, finish)
         last["specsplit"] = speculation(stats, stopped)
+        last["metrics"] = {"speculative_decoding": speculative_decoding(stats)}
         yield sse(last)
         if plan.include_usage:
             yield sse(reply.usage_chunk(usage(len(plan.prompt_ids), len(text.ids))))
         yield sse("[DONE]")
+
+    def _observe(self, run: Run, plan: RequestPlan, text: TextStream, finish: str) -> None:
+        now = time.perf_counter()
+        generated = len(text.ids)
+        self.metrics.observe(
+            run.gen.stats, len(plan.prompt_ids), generated, finish, run.began - run.taken,
+            now - run.taken,
+        )  # fmt: skip
 
     async def _finish(self, run: Run | None, client: SplitClient) -> None:
         try:
             if run is not None:
                 await run.close()
         finally:
+            if run is not None:
+                self.metrics.running.dec()
             self.pool.release(client)
 
     def _log(self, plan: RequestPlan, text: TextStream, stopped: bool, run: Run) -> None:
@@ -300,6 +325,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.add_middleware(RequestLimits, **limits)
     if cfg.api_key:
         _require_api_key(app, cfg.api_key)
+    # Last added, so outermost: a rebound name gets nothing else, not even a 401 or 429.
+    app.add_middleware(HostAllowList, policy=HostPolicy(cfg.allowed_hosts, cfg.bound_host))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -311,20 +338,28 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise APIError(404, f"model {model_id!r} not found", code="model_not_found")
         return card
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text (edge.openai.metrics); open without the API key, as /health is."""
+        body, content_type = endpoint.metrics.exposition()
+        return Response(body, media_type=content_type)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         """For load balancers (open without the API key): ok only while the cloud serves."""
         cloud = await endpoint.health.check()
         return JSONResponse(cloud.body(), status_code=200 if cloud.ok else 503)
 
+    # Tokenising (and rendering a chat template) takes a while on a body of megabytes: in a
+    # worker thread, so the event loop keeps streaming the other requests' tokens meanwhile.
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
-        plan = chat_plan(req, endpoint.codec, cfg.generation)
+        plan = await asyncio.to_thread(chat_plan, req, endpoint.codec, cfg.generation)
         return await endpoint.answer(plan, Reply(chat=True, model=cfg.model_name))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        plan = completion_plan(req, endpoint.codec, cfg.generation)
+        plan = await asyncio.to_thread(completion_plan, req, endpoint.codec, cfg.generation)
         return await endpoint.answer(plan, Reply(chat=False, model=cfg.model_name))
 
     return app

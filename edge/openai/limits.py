@@ -95,5 +95,5 @@ async def _refuse(
 ) -> None:
     from starlette.responses import JSONResponse
 
-    log.info("refused %s %s: %s", scope["method"], scope["path"], e.message)
+    log.info("refused %s %r: %s", scope["method"], scope["path"], e.message)
     await JSONResponse(e.body(), status_code=e.status, headers=headers)(scope, receive, send)

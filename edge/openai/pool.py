@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from contextlib import suppress
 
@@ -74,6 +75,9 @@ class Run:
 
     def __init__(self, client: SplitClient, plan: RequestPlan, mode: str):
         self.gen: Generation = client.generate(plan.prompt_ids, plan.config, mode)
+        # perf_counter seconds: the request taken (the endpoint sets it), the generation begun
+        # (its statistics' times count from here, give or take the task's first step)
+        self.taken = self.began = time.perf_counter()
         self._events: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
         self._task = asyncio.create_task(self._consume())
 

@@ -24,6 +24,9 @@ from specsplit.shared.sampling import SamplingConfig
 # The cloud caps max_new_tokens to its context, so "no limit" (OpenAI's default) is a big number.
 UNLIMITED = 1 << 30
 MAX_STOPS = 4  # OpenAI's own limit
+# Each stop string is matched against the text's tail on every delta (edge.openai.text), at a
+# cost that grows with its square: a megabyte-long one would stall the endpoint.
+MAX_STOP_CHARS = 256
 # Fields this endpoint does not read that change no output: bookkeeping, caching and routing
 # hints of OpenAI's API. Any other field we do not declare is refused when set.
 HARMLESS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
@@ -96,7 +99,7 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, to be refused by name
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -166,10 +169,33 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else list(stop or ())
     if len(stops) > MAX_STOPS:
         raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        longest = max(len(s) for s in stops)
+        raise bad_request(
+            f"a stop string may be at most {MAX_STOP_CHARS} characters long, got {longest}", "stop"
+        )
     return tuple(s for s in stops if s)
 
 
+def _refuse_message_fields(message: Message, i: int) -> None:
+    """Fields of a message that we do not declare, set (not null, not empty): the template
+    renders only role and content, so any other (an assistant's ``tool_calls``, a tool result's
+    ``tool_call_id``, a ``name``) would be dropped from the prompt without a word."""
+    extra = message.model_extra or {}
+    unknown = [k for k, v in extra.items() if v is not None and v != [] and v != {}]
+    if not unknown:
+        return
+    param = f"messages[{i}].{unknown[0]}"
+    if unknown[0] in ("tool_calls", "tool_call_id", "function_call"):
+        raise bad_request(
+            f"{param}: tool calls are not supported by this endpoint (refused, not dropped)", param
+        )
+    names = ", ".join(f"messages[{i}].{k}" for k in unknown)
+    raise bad_request(f"not supported by this endpoint (refused, not ignored): {names}", param)
+
+
 def _message_text(message: Message, i: int) -> str:
+    _refuse_message_fields(message, i)
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     if any(part.type != "text" for part in message.content):

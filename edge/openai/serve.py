@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from dataclasses import replace
 
 from specsplit.edge.openai.app import ServeConfig, create_app
 
@@ -32,9 +33,21 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def check_exposure(host: str, api_key: str | None) -> None:
+    """An endpoint others can reach spends the user's gateway token for them: not without an
+    API key."""
+    if not _loopback(host) and not api_key:
+        raise ValueError(
+            f"serving on {host!r}, not a loopback address, needs an API key (--api-key or "
+            "$SPECSPLIT_API_KEY): without one anyone who reaches it spends your gateway token"
+        )
+
+
 def run_server(cfg: ServeConfig, host: str, port: int, verbose: bool = False) -> int:
     import uvicorn
 
+    check_exposure(host, cfg.api_key)  # before anything is loaded
+    cfg = replace(cfg, bound_host=cfg.bound_host or host)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -42,10 +55,6 @@ def run_server(cfg: ServeConfig, host: str, port: int, verbose: bool = False) ->
     )
     app = create_app(cfg)  # loads the tokenizer: a bad --draft fails before the port is taken
     sock = bind(host, port)
-    if not _loopback(host) and not cfg.api_key:
-        log.warning(
-            "serving on %s without an API key (--api-key): anyone who reaches it can use it", host
-        )
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     # uvicorn accepts once its startup is done; connections made before then wait in the backlog.

@@ -34,37 +34,68 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
 
 
 class TextStream:
-    """Decodes a growing list of token ids; ``push`` returns the text that is safe to send."""
+    """Decodes a growing list of token ids; ``push`` returns the text that is safe to send.
+
+    Incremental: each push decodes only a window, the ids from the last release on (a prefix
+    window ``ids[prefix:read]`` and the whole ``ids[prefix:]``; the new text is what the second
+    adds), as TGI and vLLM detokenise, so a long completion costs linear time, not quadratic.
+    Decoding both from the same start keeps what a tokenizer does at the start of a text
+    (a SentencePiece leading space) out of the deltas.
+    """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()):
         self.decode = decode
         self.stops = [s for s in stops if s]
         self.ids: list[int] = []
-        self.text = ""  # the decoded text so far, cut before a stop string once one matched
-        self.sent = 0  # characters of ``text`` already released
+        self._prefix = self._read = 0  # the window: ids[_prefix:_read] decoded to text already
+        self._released: list[str] = []  # the text sent, in deltas
+        self._tail = ""  # the last characters sent, enough to find a stop that begins there
+        self._pending = ""  # decoded, not yet released
         self.stopped = False  # a stop string matched: the completion is over
+
+    @property
+    def text(self) -> str:
+        """The decoded text so far, cut before a stop string once one matched."""
+        return "".join(self._released) + self._pending
 
     def push(self, tokens: list[int]) -> str:
         assert not self.stopped, "push after a stop string matched"
         self.ids += tokens
-        self.text = self.decode(self.ids)
+        self._pending += self._decoded(final=False)
         # A stop string may begin inside the held-back tail, never inside what was sent.
-        longest = max((len(s) for s in self.stops), default=0)
-        at = find_stop(self.text, self.stops, max(0, self.sent - longest + 1))
+        window = self._tail + self._pending
+        at = find_stop(window, self.stops)
         if at >= 0:
             self.stopped = True
-            self.text = self.text[: max(at, self.sent)]
-            return self._release(len(self.text))
-        safe = len(self.text.rstrip(REPLACEMENT))
-        safe -= held_back(self.text[:safe], self.stops)
+            self._pending = window[len(self._tail) : max(at, len(self._tail))]
+            return self._release(len(self._pending))
+        safe = len(self._pending.rstrip(REPLACEMENT))
+        safe -= held_back(self._pending[:safe], self.stops)
         return self._release(safe)
 
     def flush(self) -> str:
         """The rest of the text, once no more tokens will come."""
-        return self._release(len(self.text))
+        if not self.stopped:
+            self._pending += self._decoded(final=True)
+        return self._release(len(self._pending))
+
+    def _decoded(self, final: bool) -> str:
+        """The text the ids since the window's end add; "" while it ends in an incomplete
+        character (unless ``final``), which the next ids may complete."""
+        if self._read == len(self.ids):
+            return ""
+        before = self.decode(self.ids[self._prefix : self._read]) if self._read else ""
+        after = self.decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith(REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before) :]
 
     def _release(self, end: int) -> str:
-        if end <= self.sent:
+        if end <= 0:
             return ""
-        delta, self.sent = self.text[self.sent : end], end
+        delta, self._pending = self._pending[:end], self._pending[end:]
+        self._released.append(delta)
+        longest = max((len(s) for s in self.stops), default=0)
+        self._tail = (self._tail + delta)[-(longest - 1) :] if longest > 1 else ""
         return delta

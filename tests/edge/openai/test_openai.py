@@ -282,6 +282,46 @@ def health(server: EdgeServe) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def scrape(serve) -> dict[str, float]:
+    """/metrics (open without a key, beside /v1): sample name with labels -> value."""
+    base = serve.url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
+def test_metrics_count_each_request_and_its_speculation(serve, codec):
+    """/metrics named after vLLM's (edge.openai.metrics) moves by exactly what one request
+    reports in vLLM's per-request shape, metrics.speculative_decoding."""
+    p = "specsplit_edge"
+    before = scrape(serve)
+    r = chat(serve.client(), temperature=0, max_tokens=N)
+    after = scrape(serve)
+    spec = r.model_extra["metrics"]["speculative_decoding"]
+    ours = r.model_extra["specsplit"]
+    # (none, possibly: on a slow machine auto may lead, and a led stream of this unrelated draft
+    # pauses its drafting)
+    assert spec["num_drafts"] == ours["num_drafts"]
+    assert spec["num_accepted_tokens"] == ours["accepted"]
+    assert spec["num_draft_tokens"] == ours["drafted"]
+    assert spec["num_accepted_tokens_per_pos"] == ours["accepted_per_position"]
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved(f"{p}_prompt_tokens_total") == len(chat_ids(codec))
+    assert moved(f"{p}_generation_tokens_total") == N
+    assert moved(f'{p}_request_success_total{{finished_reason="length"}}') == 1
+    assert moved(f"{p}_spec_decode_num_drafts_total") == spec["num_drafts"]
+    assert moved(f"{p}_spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert moved(f"{p}_spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert moved(f"{p}_{name}_count") == 1
+    assert moved(f"{p}_inter_token_latency_seconds_count") == ours["rounds"] - 1
+    assert after[f"{p}_num_requests_running"] == 0
+
+
 def test_health_is_ok_while_the_cloud_serves(serve):
     assert health(serve) == (200, {"status": "ok", "cloud": "SERVING"})
 

@@ -195,3 +195,18 @@ def test_a_stream_its_client_does_not_read_gives_its_slot_back(draft_dir, tmp_pa
     assert status == 200 and answer["usage"]["completion_tokens"] == 4
     # The kernel's send buffer grows to 4 MiB before the stuck stream waits: seconds to fill.
     assert waited < 25
+
+
+def test_a_dns_rebinding_request_gets_a_403(small_edge):
+    """A page whose name was rebound to 127.0.0.1 sends its own name as Host: refused, while the
+    same request for 127.0.0.1 is answered (edge.openai.hosts)."""
+    for host, status in (("evil.example", 403), (urlsplit(small_edge.url).netloc, 200)):
+        request = urllib.request.Request(f"{small_edge.url}/models", headers={"Host": host})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                got, body = r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            got, body = e.code, json.loads(e.read())
+        assert got == status, body
+        if status == 403:
+            assert body["error"]["code"] == "host_not_allowed"

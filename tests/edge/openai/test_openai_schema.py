@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from specsplit.edge.client import GenerationConfig
 from specsplit.edge.openai.schema import (
+    MAX_STOP_CHARS,
     UNLIMITED,
     APIError,
     ChatRequest,
@@ -141,3 +142,33 @@ def test_top_k_reaches_the_sampling_of_both_sides():
         assert chat_plan(chat(top_k=off), Codec(), BASE).config.sampling.top_k == 0
     with pytest.raises(ValidationError, match="top_k"):  # FastAPI answers it with a 400
         chat(top_k=-2)
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[1].tool_calls"),
+        ({"role": "tool", "content": "42", "tool_call_id": "call_1"}, "messages[1].tool_call_id"),
+        ({"role": "user", "content": "hi", "name": "ann"}, "messages[1].name"),
+    ],
+)
+def test_message_fields_the_template_would_drop_are_refused_by_name(message, param):
+    req = ChatRequest(messages=[{"role": "user", "content": "q"}, message])
+    e = refusal(req)
+    assert e.param == param and param in e.message
+
+
+def test_a_message_echoed_back_with_null_and_empty_fields_passes():
+    """The SDKs' own assistant messages carry tool_calls None, annotations [] and the like."""
+    echoed = {"role": "assistant", "content": "a", "tool_calls": None, "annotations": []}
+    req = ChatRequest(messages=[{"role": "user", "content": "q"}, echoed])
+    assert chat_plan(req, Codec(), BASE).prompt_ids == Codec().encode("user:q;assistant:a;")
+
+
+def test_stop_strings_longer_than_the_cap_are_refused():
+    e = refusal(chat(stop=["ok", "x" * (MAX_STOP_CHARS + 1)]))
+    assert e.param == "stop" and str(MAX_STOP_CHARS) in e.message
+    assert chat_plan(chat(stop="x" * MAX_STOP_CHARS), Codec(), BASE).stops == ("x" * 256,)

@@ -76,3 +76,51 @@ def test_without_stops_everything_is_released_at_once():
     s = TextStream(chars)
     assert s.push(ids_of("abc")) == "abc"
     assert s.flush() == ""
+
+
+def test_each_push_decodes_a_window_not_the_whole_completion():
+    """Linear, not quadratic: 2,000 single-token pushes decode a few tokens each (re-decoding
+    everything decoded 2 million)."""
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return chars(ids)
+
+    s = TextStream(counting, ["STOP"])
+    text = "".join(chr(97 + i % 26) for i in range(2000))
+    deltas = [s.push([i]) for i in ids_of(text)] + [s.flush()]
+    assert "".join(deltas) == text
+    assert sum(decoded) < 10 * len(text)
+
+
+SAMPLE = "naïve café — 東京 👋🏽 déjà vu, über straße.\n  indented  twice  ünïcödé 🎉 end"
+
+
+def _trained(kind: str):
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+
+    cls = ByteLevelBPETokenizer if kind == "byte-level" else SentencePieceBPETokenizer
+    tok = cls()
+    tok.train_from_iterator([SAMPLE] * 4, vocab_size=300, min_frequency=1)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_windowed_deltas_equal_the_whole_decode_on_real_tokenizers(kind):
+    """Characters split across tokens (byte-level BPE) and a SentencePiece leading space: the
+    deltas, token by token, join to what decoding the whole completion gives."""
+    tok = _trained(kind)
+    ids = tok.encode(SAMPLE).ids
+    whole = tok.decode(ids)
+    assert "straße" in whole
+    s = TextStream(tok.decode, ["straße"])
+    deltas = []
+    for i in ids:
+        deltas.append(s.push([i]))
+        if s.stopped:
+            break
+    deltas.append(s.flush())
+    assert s.stopped and "".join(deltas) == whole.split("straße")[0]
+    plain = TextStream(tok.decode)
+    assert "".join([plain.push([i]) for i in ids] + [plain.flush()]) == whole

@@ -1,0 +1,120 @@
+"""Prometheus metrics of ``specsplit-edge serve`` (``/metrics``), named after vLLM's, so that
+dashboards and benchmarking tools built for vLLM read them with the prefix swapped
+(``vllm:time_to_first_token_seconds`` -> ``specsplit_edge_time_to_first_token_seconds``):
+
+- latency histograms per request: time to first token and end-to-end latency from the moment
+  the endpoint took the request (tokenised; waiting for a slot counts), and the inter-token
+  latency between successive commits (a round commits several tokens at once: one interval per
+  round, as vLLM observes one per engine step);
+- counters: prompt and generation tokens, requests by finish reason, and the spec-decode
+  counters in vLLM's vocabulary (shared.spec_counts: drafts, draft tokens, accepted tokens,
+  accepted tokens per position), summed over the requests' ``GenerationStats``.
+
+``speculative_decoding`` gives one request's figures in vLLM's ``SpecDecodingStats`` shape; the
+endpoint answers them as ``metrics.speculative_decoding`` in each completion.
+
+Each endpoint owns a private ``CollectorRegistry`` (several apps in one process never collide).
+"""
+
+from __future__ import annotations
+
+from specsplit.edge.generation import GenerationStats
+
+PREFIX = "specsplit_edge"
+# Seconds, from a loopback round to a slow link's long generation.
+TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+          7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+         10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+def speculative_decoding(stats: GenerationStats) -> dict:
+    """One request's spec-decode figures, as vLLM's ``SpecDecodingStats`` names them."""
+    return {
+        "num_drafts": len(stats.draft_lens),
+        "num_draft_tokens": sum(stats.draft_lens),
+        "num_accepted_tokens": sum(stats.accepted_lens),
+        "num_accepted_tokens_per_pos": stats.accepted_per_position,
+    }
+
+
+def commit_intervals(token_times_s: list[float]) -> list[float]:
+    """Seconds between successive commits (tokens of one round share their commit time)."""
+    commits = [t for i, t in enumerate(token_times_s) if i == 0 or t != token_times_s[i - 1]]
+    return [b - a for a, b in zip(commits, commits[1:], strict=False)]
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = reg = CollectorRegistry()
+        p = PREFIX
+        self.running = Gauge(f"{p}_num_requests_running", "requests generating", registry=reg)
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "request taken to its first token committed",
+            buckets=TTFT_S,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "between successive commits of a request's tokens",
+            buckets=ITL_S,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            f"{p}_e2e_request_latency_seconds",
+            "request taken to its last token",
+            buckets=E2E_S,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens", registry=reg)
+        self.generation_tokens = Counter(f"{p}_generation_tokens", "tokens generated", registry=reg)
+        self.success = Counter(
+            f"{p}_request_success", "requests answered", ["finished_reason"], registry=reg
+        )
+        spec = f"{p}_spec_decode"
+        self.drafts = Counter(f"{spec}_num_drafts", "drafts verified (k > 0)", registry=reg)
+        self.draft_tokens = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
+        self.accepted = Counter(f"{spec}_num_accepted_tokens", "drafts accepted", registry=reg)
+        self.accepted_per_pos = Counter(
+            f"{spec}_num_accepted_tokens_per_pos",
+            "drafts whose token at this position was accepted",
+            ["position"],
+            registry=reg,
+        )
+
+    def observe(
+        self,
+        stats: GenerationStats,
+        prompt_tokens: int,
+        generated: int,
+        finish: str,
+        started_s: float,
+        e2e_s: float,
+    ) -> None:
+        """One answered request: ``started_s``, when its generation began after the request was
+        taken (the slot's wait); ``e2e_s``, taken to answered."""
+        if stats.ttft_s is not None:
+            self.ttft.observe(started_s + stats.ttft_s)
+        for gap in commit_intervals(stats.token_times_s):
+            self.itl.observe(gap)
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.success.labels(finish).inc()
+        spec = speculative_decoding(stats)
+        self.drafts.inc(spec["num_drafts"])
+        self.draft_tokens.inc(spec["num_draft_tokens"])
+        self.accepted.inc(spec["num_accepted_tokens"])
+        for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
+            self.accepted_per_pos.labels(str(pos)).inc(n)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text ``/metrics`` answers, and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
