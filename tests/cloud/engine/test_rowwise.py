@@ -17,11 +17,13 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine import decoder
 from specsplit.cloud.engine.kernel_forward import KernelForward, PositionTables
 from specsplit.cloud.engine.ragged import Segment
+from specsplit.shared.tiny_families import FAMILIES, make_tiny
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
 
@@ -209,6 +211,53 @@ def test_an_activation_the_kernels_do_not_compute_is_refused_by_name():
         kernels.act_mul(torch.zeros(1, 128), "relu")
     with pytest.raises(ValueError, match="multiple of 64"):
         kernels.act_mul(torch.zeros(1, 2 * 96), "silu")
+
+
+REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "norm", "var", "softmax", "_softmax"}
+MATMULS = {"mm", "bmm", "addmm", "matmul", "linear"}
+
+
+class FloatOps(TorchDispatchMode):
+    """Records the torch ops that compute on float tensors: elementwise, reductions, matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        floats = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        computes = torch.Tag.pointwise in func.tags or name in REDUCTIONS | MATMULS
+        if floats and computes and not self._row_local_broadcast(name, args):
+            self.seen.append(f"{func}{[tuple(a.shape) for a in floats]}")
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _row_local_broadcast(name: str, args) -> bool:
+        """A projection's bias ([N] added to [R, N]) or the embedding's scale (a scalar):
+        one IEEE operation per element, whatever torch's split (kernel_forward's docstring)."""
+        other = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
+        return other is not None and (
+            (name == "add" and other.dim() == 1) or (name == "mul" and other.dim() == 0)
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_torch_op_computes_between_two_kernels(family, tmp_path):
+    """A pass of the quantised engine computes no float in torch (once the positions' rotary
+    tables are known): every float op between two kernels is ``cpu_rowwise.c``'s."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny(family, tmp_path / "model", seed=16)
+    forward = KernelForward(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), "int4")
+    slots = [forward.slots.open(sid) for sid in range(2)]
+    segments = [Segment(slots[0], [1, 2, 3, 4], True), Segment(slots[1], [5, 6], True)]
+    forward(segments)  # the positions' tables, computed in torch one position at a time
+    for slot in slots:
+        slot.length = 0
+    with FloatOps() as ops:
+        forward(segments)
+    assert ops.seen == []
 
 
 # A whole pass of the engine at the real widths: one decoder layer, random weights, small vocab.
