@@ -155,11 +155,13 @@ def _ptr(t: torch.Tensor) -> int:
 
 def fits(config) -> bool:
     """Whether every projection of the decoder reads rows the kernels take, and its heads are
-    a whole number of 16-value steps (the attention and rotary kernels'): so that a calibration
-    never picks a format whose engine would refuse the model."""
+    a whole number of 16-value steps (the attention and rotary kernels'), and its MLP activation
+    one they compute (``activation_kind``): so that a calibration never picks a format whose
+    engine would refuse the model."""
     head_dim = decoder.head_dim(config)
     widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
-    return head_dim % 16 == 0 and all(w % PAIR == 0 for w in widths)
+    shapes = head_dim % 16 == 0 and all(w % PAIR == 0 for w in widths)
+    return shapes and _computes_activation(config)
 
 
 class QuantizedRows:
@@ -460,3 +462,16 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.float32)
     library().specsplit_soft_cap(_ptr(x), x.numel(), float(cap), _ptr(out), _threads())
     return out
+
+
+def _computes_activation(config) -> bool:
+    """Whether the kernels compute the activation the config names (Gemma's
+    ``hidden_activation``, else ``hidden_act``), as ``activation_kind`` judges its module."""
+    from transformers.activations import ACT2FN
+
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    try:
+        activation_kind(ACT2FN[name])
+    except (KeyError, ValueError):
+        return False
+    return True

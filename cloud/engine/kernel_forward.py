@@ -87,6 +87,7 @@ class PositionTables:
         self.cos: dict[str | None, torch.Tensor] = {}  # {key: [capacity, rotary dims]}
         self.sin: dict[str | None, torch.Tensor] = {}
 
+    @torch.inference_mode()  # the kept tables are inference tensors: written in this mode only
     def __call__(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, ...]]:
         """{rope key: (cos [R, rotary dims], sin [R, rotary dims])} for positions [R]."""
         top = int(positions.max()) + 1 if len(positions) else 0

@@ -209,6 +209,11 @@ def test_an_activation_the_kernels_do_not_compute_is_refused_by_name():
             kernels.activation_kind(hf.ACT2FN[name])
     with pytest.raises(ValueError, match="not one of"):
         kernels.act_mul(torch.zeros(1, 128), "relu")
+    from transformers import Gemma2Config, Qwen2Config
+
+    assert kernels.fits(Qwen2Config(hidden_act="silu"))  # so a calibration offers int8 / int4
+    assert kernels.fits(Gemma2Config(hidden_size=2304, intermediate_size=9216, head_dim=256))
+    assert not kernels.fits(Qwen2Config(hidden_act="gelu"))  # float it is
     with pytest.raises(ValueError, match="multiple of 64"):
         kernels.act_mul(torch.zeros(1, 2 * 96), "silu")
 
