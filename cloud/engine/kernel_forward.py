@@ -75,15 +75,19 @@ def _pack_into_huge_pages(linears: list[QuantLinear]) -> None:
 
 
 class PositionTables:
-    """The rotary cos/sin of each position, computed alone (``decoder.Rotary.tables`` of that
-    one position, whatever the pass holds) the first time a pass reaches it, and kept: so a
-    position's table is a function of the position only, never of the other rows (torch's cos
-    and sin over a whole pass split their work where the pass's size says)."""
+    """The rotary cos/sin of each position, computed the first time a pass reaches it and kept,
+    so that a position's table is a function of the position only, never of the other rows of
+    a pass (torch's cos and sin over a pass split their work where the pass's size says).
+    Computed by ``decoder.Rotary.tables`` over a fixed block of positions, ``BLOCK`` of them
+    from a multiple of ``BLOCK`` (each position always in the same call, at the same place), or
+    one position alone where the tables depend on the sequence's length (``Rotary.dynamic``)."""
+
+    BLOCK = 64
 
     def __init__(self, rotary: decoder.Rotary, hidden: int):
         self.rotary = rotary
         self.probe = torch.zeros(1, hidden)  # tells the module the dtype (float32) and device
-        self.known = 0
+        self.known = 0  # positions 0 .. known - 1 are kept
         self.cos: dict[str | None, torch.Tensor] = {}  # {key: [capacity, rotary dims]}
         self.sin: dict[str | None, torch.Tensor] = {}
 
@@ -96,15 +100,18 @@ class PositionTables:
         return {k: (self.cos[k][positions], self.sin[k][positions]) for k in self.cos}
 
     def _extend(self, top: int) -> None:
-        for p in range(self.known, top):
-            one = self.rotary.tables(self.probe, [torch.tensor([p])])
+        step = 1 if self.rotary.dynamic else self.BLOCK
+        end = -(-top // step) * step
+        capacity = max(end, 2 * self.known)
+        for start in range(self.known, end, step):
+            one = self.rotary.tables(self.probe, [torch.arange(start, start + step)])
             for key, (cos, sin) in one.items():
-                if key not in self.cos or self.cos[key].shape[0] <= p:
-                    size = max(top, 2 * p, 64)
-                    self.cos[key] = _grown(self.cos.get(key), size, cos.shape[-1])
-                    self.sin[key] = _grown(self.sin.get(key), size, sin.shape[-1])
-                self.cos[key][p], self.sin[key][p] = cos[0], sin[0]
-        self.known = top
+                if key not in self.cos or self.cos[key].shape[0] < start + step:
+                    self.cos[key] = _grown(self.cos.get(key), capacity, cos.shape[-1])
+                    self.sin[key] = _grown(self.sin.get(key), capacity, sin.shape[-1])
+                self.cos[key][start : start + step] = cos
+                self.sin[key][start : start + step] = sin
+        self.known = end
 
 
 def _grown(table: torch.Tensor | None, rows: int, width: int) -> torch.Tensor:

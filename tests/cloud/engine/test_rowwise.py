@@ -185,12 +185,13 @@ def test_a_positions_rotary_table_does_not_depend_on_the_pass():
     rotary = decoder.Rotary(inner, config)
     positions = torch.arange(300)
     with threads(4):
-        whole = PositionTables(rotary, 1536)(positions)[None]
-    one_by_one = PositionTables(rotary, 1536)
+        whole = PositionTables(rotary, 1536)(positions)[None]  # one pass asks for them all
+    gen = torch.Generator().manual_seed(12)
     for n in THREADS:
         with threads(n):
-            for p in torch.randperm(300, generator=torch.Generator().manual_seed(12))[:40]:
-                cos, sin = one_by_one(p[None])[None]
+            asked = PositionTables(rotary, 1536)  # passes of one row, positions out of order
+            for p in torch.randperm(300, generator=gen)[:40]:
+                cos, sin = asked(p[None])[None]
                 assert torch.equal(cos[0], whole[0][p]) and torch.equal(sin[0], whole[1][p])
     cos, sin = rotary.tables(torch.zeros(1, 1536), [positions])[None]  # torch over the whole pass
     torch.testing.assert_close(whole[0], cos)
