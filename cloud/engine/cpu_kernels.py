@@ -427,18 +427,24 @@ def rms_norm(
 
 
 def residual_add(
-    x: torch.Tensor, branch: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    norm: tuple[torch.Tensor, float] | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """x + branch, or x + RMSNorm(branch) (Gemma's post norms): new [M, K] float32, K % 8 == 0."""
+    """x + branch, or x + RMSNorm(branch) (Gemma's post norms), [M, K] float32, K % 8 == 0:
+    a new tensor, or x itself (``in_place``, x contiguous)."""
     if x.dtype != torch.float32 or branch.dtype != torch.float32 or x.shape != branch.shape:
         raise ValueError("residual_add needs float32 x and branch of one shape")
     if x.dim() != 2 or x.shape[1] % 8:
         raise ValueError(f"residual_add needs [rows, K] with K % 8 == 0, got {tuple(x.shape)}")
+    if in_place and not x.is_contiguous():
+        raise ValueError("residual_add in place needs contiguous rows")
     x, branch = x.contiguous(), branch.contiguous()  # held: C reads them
     weight, eps = (None, 0.0) if norm is None else _norm_weight(norm)
     if weight is not None and weight.shape[0] != x.shape[1]:
         raise ValueError(f"the norm's weight has {weight.shape[0]} values, the rows {x.shape[1]}")
-    out = torch.empty(x.shape, dtype=torch.float32)
+    out = x if in_place else torch.empty(x.shape, dtype=torch.float32)
     library().specsplit_residual_add(
         _ptr(x),
         _ptr(branch),

@@ -238,7 +238,7 @@ class KernelForward:
         k, v = k.reshape(rows, self.kv_heads, hd), v.reshape(rows, self.kv_heads, hd)
         attn = kernels.attention(q, k, v, batch, li, spec.scale, spec.window, spec.softcap)
         out = layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
-        x = kernels.residual_add(x, out, layer.post_attn_norm)
+        x = kernels.residual_add(x, out, layer.post_attn_norm, in_place=True)  # the pass owns x
         gate_up = layer.gate_up(kernels.QuantizedRows(x, layer.pre_mlp_norm))  # [R, 2F]
         out = layer.down(kernels.ActivatedRows(gate_up, layer.act))
-        return kernels.residual_add(x, out, layer.post_mlp_norm)
+        return kernels.residual_add(x, out, layer.post_mlp_norm, in_place=True)

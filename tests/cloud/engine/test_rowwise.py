@@ -157,6 +157,9 @@ def test_residual_adds_are_rowwise(model):
     assert_rowwise(normed, both)
     x, y = both[:, :width], both[:, width:]
     assert torch.equal(plain(both), x + y)  # one IEEE add per element
+    again = x.clone()
+    assert kernels.residual_add(again, y, post, in_place=True) is again
+    assert torch.equal(again, normed(both))
     yd = y.double()
     expected = x.double() + post[0].double() * yd * torch.rsqrt(
         yd.pow(2).mean(-1, keepdim=True) + 1e-6
