@@ -222,6 +222,31 @@ def test_an_activation_the_kernels_do_not_compute_is_refused_by_name():
         kernels.act_mul(torch.zeros(1, 2 * 96), "silu")
 
 
+def test_the_ctypes_table_matches_the_row_wise_prototypes():
+    """ctypes passes what _SIGNATURES says, unchecked: each row-wise op's argument types there
+    must be those cpu_kernels.h declares."""
+    import ctypes
+    import re
+
+    header = kernels.HEADER.read_text()
+    block = header[header.index("/* row-wise ops") :]
+    c_types = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int}
+    prototypes = re.findall(r"void (specsplit_\w+)\(([^)]*)\);", block)
+    assert {name for name, _ in prototypes} == {
+        "specsplit_act_mul",
+        "specsplit_act_mul_quantize",
+        "specsplit_rmsnorm",
+        "specsplit_residual_add",
+        "specsplit_soft_cap",
+    }
+    for name, params in prototypes:
+        declared = [
+            ctypes.c_void_p if "*" in p else c_types[p.split()[-2]]
+            for p in (" ".join(p.split()) for p in params.split(","))
+        ]
+        assert kernels._SIGNATURES[name] == declared, name
+
+
 REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "norm", "var", "softmax", "_softmax"}
 MATMULS = {"mm", "bmm", "addmm", "matmul", "linear"}
 
