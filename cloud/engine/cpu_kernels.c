@@ -49,7 +49,6 @@ Weight layouts, one per kernel (cpu_kernels.pack makes them from the natural one
 */
 #include "cpu_kernels.h"
 
-#define QK 32
 #define TILE 4 /* gemm_column's switch covers remainders 1 .. TILE - 1 */
 _Static_assert(TILE == 4, "gemm_column handles remainders of up to 3 rows");
 /* Short columns of weights (K = 1536 in int4: 768 bytes) leave ~15% of the bandwidth to the
@@ -66,7 +65,7 @@ int specsplit_has_avx2(void) {
 
 /* Groups per super-block of a K-long row: the most of 8, 4, 2 that divides K / 32 (K is a
    multiple of 64, so groups come in pairs). */
-static inline int64_t per_block(int64_t K) {
+int64_t per_block(int64_t K) {
     const int64_t G = K / QK;
     return G % 8 == 0 ? 8 : (G % 4 == 0 ? 4 : 2);
 }
@@ -81,8 +80,7 @@ static inline int32_t hsum8_epi32(__m256i v) {
 /* One super-block of L values (a whole number of pairs of groups) -> its int8 values (paired
    layout for the AVX2 kernel, else natural order), its scale and its groups' sums. Each value:
    round-to-nearest-even of v / d (the CPU's default rounding), clamped. */
-static inline void quantize_block(const float *v, int64_t L, int8_t *q, float *xs, int16_t *xsum,
-                                  int paired) {
+void quantize_block(const float *v, int64_t L, int8_t *q, float *xs, int16_t *xsum, int paired) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 peak = _mm256_setzero_ps();
     for (int64_t i = 0; i < L; i += 8)

@@ -1,11 +1,13 @@
 /* Shared by the target's CPU kernels (cpu_kernels.c: quantisation and matmuls; cpu_attention.c:
-rotary embedding and attention; every cpu_*.c beside them), which cloud/engine/cpu_kernels.py
-compiles into one library. The batch-invariance contract and the weight formats are described at
+rotary embedding and attention; cpu_rowwise.c: the float ops between them; cpu_kquants.c and
+cpu_block_quants.c: the GGUF formats), which cloud/engine/cpu_kernels.py compiles into one
+library. The batch-invariance contract and the weight formats are described at
 the top of cpu_kernels.c.
 
 Every function the library exports is declared here, so the compiler checks each definition
 against its prototype; cpu_kernels.py's ctypes table (_SIGNATURES, _RETURNS) must agree with
 these prototypes (tests/cloud/engine/test_cpu_kernels.py parses them and checks). */
+
 #ifndef SPECSPLIT_CPU_KERNELS_H
 #define SPECSPLIT_CPU_KERNELS_H
 
@@ -82,5 +84,24 @@ void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs, const int1
 void specsplit_block_gemm_vnni(int fmt, const int8_t *xq, const float *xs, const int16_t *xsum,
                                int64_t M, int64_t K, const uint8_t *v, const uint32_t *high,
                                const uint16_t *d, int64_t N, float *out, int nt);
+
+#define QK 32 /* values per group (cpu_kernels.c's formats) */
+
+/* Shared between the library's files, not exported (hidden: so cpu_kernels.c still inlines
+   them under -fPIC). Defined in cpu_kernels.c. */
+#define SPECSPLIT_INTERNAL __attribute__((visibility("hidden")))
+SPECSPLIT_INTERNAL int64_t per_block(int64_t K);
+SPECSPLIT_INTERNAL void quantize_block(const float *v, int64_t L, int8_t *q, float *xs,
+                                       int16_t *xsum, int paired);
+
+/* row-wise ops (cpu_rowwise.c) */
+void specsplit_act_mul(const float *gu, int64_t M, int64_t F, int act, float *out, int nt);
+void specsplit_act_mul_quantize(const float *gu, int64_t M, int64_t F, int act, int8_t *xq,
+                                float *xs, int16_t *xsum, int paired, int nt);
+void specsplit_rmsnorm(const float *x, int64_t M, int64_t stride, int64_t H, int64_t D,
+                       const float *w, float eps, float *out, int64_t out_stride, int nt);
+void specsplit_residual_add(const float *x, const float *y, int64_t M, int64_t K, const float *w,
+                            float eps, float *out, int nt);
+void specsplit_soft_cap(const float *x, int64_t n, float cap, float *out, int nt);
 
 #endif

@@ -98,6 +98,11 @@ _SIGNATURES = {
     "specsplit_kq_gemm_vnni": [_P, _P, _P, _INT],
     "specsplit_block_gemm": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
     "specsplit_block_gemm_vnni": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
+    "specsplit_act_mul": [_P, _I64, _I64, _INT, _P, _INT],
+    "specsplit_act_mul_quantize": [_P, _I64, _I64, _INT, _P, _P, _P, _INT, _INT],
+    "specsplit_rmsnorm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64, _INT],
+    "specsplit_residual_add": [_P, _P, _I64, _I64, _P, _F32, _P, _INT],
+    "specsplit_soft_cap": [_P, _I64, _F32, _P, _INT],
 }
 # Return types of the functions that return something (the others return void).
 _RETURNS = {
@@ -323,11 +328,13 @@ def _ptr(t: torch.Tensor) -> int:
 
 def fits(config) -> bool:
     """Whether every projection of the decoder reads rows the kernels take, and its heads are
-    a whole number of 16-value steps (the attention and rotary kernels'): so that a calibration
-    never picks a format whose engine would refuse the model."""
+    a whole number of 16-value steps (the attention and rotary kernels'), and its MLP activation
+    one they compute (``activation_kind``): so that a calibration never picks a format whose
+    engine would refuse the model."""
     head_dim = decoder.head_dim(config)
     widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
-    return head_dim % 16 == 0 and all(w % PAIR == 0 for w in widths)
+    shapes = head_dim % 16 == 0 and all(w % PAIR == 0 for w in widths)
+    return shapes and _computes_activation(config)
 
 
 class QuantizedRows:
@@ -472,3 +479,180 @@ def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: tor
 
 def _threads() -> int:
     return torch.get_num_threads()
+
+
+# Row-wise ops (cpu_rowwise.c): the float work between two kernels, each output element by one
+# fixed sequence of operations on its own row, so that no torch elementwise op (whose vector
+# body, scalar tail and thread split move with the batch) stands between two kernels.
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # act(gate) * up, by cpu_rowwise.c's number (index)
+
+
+def activation_kind(act) -> str:
+    """The name in ``ACTIVATIONS`` of a decoder's MLP activation (``decoder.mlp_activation``:
+    a transformers ``ACT2FN`` module or a torch function); ValueError for any other, so that a
+    model is refused at load rather than computed wrongly."""
+    from transformers import activations as hf
+
+    silu = (torch.nn.SiLU, hf.SiLUActivation)
+    gelu_tanh = tuple(
+        getattr(hf, n)
+        for n in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
+        if hasattr(hf, n)
+    )
+    if isinstance(act, silu) or act is torch.nn.functional.silu:
+        return "silu"
+    if isinstance(act, gelu_tanh) or (isinstance(act, torch.nn.GELU) and act.approximate == "tanh"):
+        return "gelu_tanh"
+    raise ValueError(
+        f"the CPU kernels compute the MLP activations {ACTIVATIONS}, not {act!r} "
+        "(serve this model with --weights float)"
+    )
+
+
+def _gate_up(gate_up: torch.Tensor, act: str) -> tuple[torch.Tensor, int, int]:
+    """Checks gate_up [M, 2F] float32 (gate | up, F a multiple of 64) -> (contiguous, F, act)."""
+    if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be float32 [rows, 2F], got {gate_up.dtype} {gate_up.shape}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not one of {ACTIVATIONS}")
+    f = gate_up.shape[1] // 2
+    check_width(f)
+    return gate_up.contiguous(), f, ACTIVATIONS.index(act)
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up in float32 [M, F], gate_up [M, 2F] = (gate | up): the values
+    ``ActivatedRows`` quantises (for tests and for a float path)."""
+    gu, f, kind = _gate_up(gate_up, act)
+    out = torch.empty((gu.shape[0], f), dtype=torch.float32)
+    library().specsplit_act_mul(_ptr(gu), gu.shape[0], f, kind, _ptr(out), _threads())
+    return out
+
+
+class ActivatedRows(QuantizedRows):
+    """``QuantizedRows`` of act(gate) * up, gate_up [M, 2F] = (gate | up) float32, computed and
+    quantised in one C call (``cpu_rowwise.c``): bit for bit ``QuantizedRows(act_mul(...))``,
+    without the float product ever reaching torch."""
+
+    def __init__(self, gate_up: torch.Tensor, act: str, kernel: str | None = None):
+        gu, f, kind = _gate_up(gate_up, act)
+        self.rows, self.k = gu.shape[0], f
+        self.backend = kernel or backend()
+        groups = f // GROUP
+        self.xq = torch.empty((self.rows, f), dtype=torch.int8)
+        self.xs = torch.empty((self.rows, groups // per_block(f)), dtype=torch.float32)
+        self.xsum = torch.empty((self.rows, groups), dtype=torch.int16)
+        layout = 1 if self.backend == "avx2" else 0
+        library().specsplit_act_mul_quantize(
+            _ptr(gu),
+            self.rows,
+            f,
+            kind,
+            _ptr(self.xq),
+            _ptr(self.xs),
+            _ptr(self.xsum),
+            layout,
+            _threads(),
+        )
+
+
+def _norm_weight(norm: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, float]:
+    """(weight [D], eps) of an RMSNorm (``decoder.rms_norm_params``), checked for C."""
+    weight, eps = norm
+    if weight.dtype != torch.float32 or weight.dim() != 1 or not weight.is_contiguous():
+        raise ValueError("the norm's weight must be a contiguous float32 vector")
+    if weight.shape[0] % 8:
+        raise ValueError(
+            f"the row-wise kernels normalise vectors of 8k values, not {weight.shape[0]}"
+        )
+    return weight, float(eps)
+
+
+def rms_norm(
+    x: torch.Tensor, norm: tuple[torch.Tensor, float], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of each D-long vector of x [M, H * D] float32 (rows of any stride, values
+    contiguous: e.g. the q heads of a fused q/k/v output), D = the weight's size, a multiple of
+    8: ``w * (v * (1 / sqrt(mean(v^2) + eps)))``. Into ``out`` (same shape; ``out=x``: in place),
+    else a new tensor."""
+    weight, eps = _norm_weight(norm)
+    d = weight.shape[0]
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % d:
+        raise ValueError(f"rms_norm needs float32 rows [M, heads * {d}], values contiguous")
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32)
+    elif out.shape != x.shape or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError("out must be float32 of x's shape, its values contiguous")
+    rows, heads = x.shape[0], x.shape[1] // d
+    lib = library()
+    lib.specsplit_rmsnorm(
+        _ptr(x),
+        rows,
+        x.stride(0),
+        heads,
+        d,
+        _ptr(weight),
+        eps,
+        _ptr(out),
+        out.stride(0),
+        _threads(),
+    )
+    return out
+
+
+def residual_add(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    norm: tuple[torch.Tensor, float] | None = None,
+    in_place: bool = False,
+) -> torch.Tensor:
+    """x + branch, or x + RMSNorm(branch) (Gemma's post norms), [M, K] float32, K % 8 == 0:
+    a new tensor, or x itself (``in_place``, x contiguous)."""
+    if x.dtype != torch.float32 or branch.dtype != torch.float32 or x.shape != branch.shape:
+        raise ValueError("residual_add needs float32 x and branch of one shape")
+    if x.dim() != 2 or x.shape[1] % 8:
+        raise ValueError(f"residual_add needs [rows, K] with K % 8 == 0, got {tuple(x.shape)}")
+    if in_place and not x.is_contiguous():
+        raise ValueError("residual_add in place needs contiguous rows")
+    x, branch = x.contiguous(), branch.contiguous()  # held: C reads them
+    weight, eps = (None, 0.0) if norm is None else _norm_weight(norm)
+    if weight is not None and weight.shape[0] != x.shape[1]:
+        raise ValueError(f"the norm's weight has {weight.shape[0]} values, the rows {x.shape[1]}")
+    out = x if in_place else torch.empty(x.shape, dtype=torch.float32)
+    library().specsplit_residual_add(
+        _ptr(x),
+        _ptr(branch),
+        x.shape[0],
+        x.shape[1],
+        None if weight is None else _ptr(weight),
+        eps,
+        _ptr(out),
+        _threads(),
+    )
+    return out
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) elementwise (``decoder.soft_cap``'s), new float32; x as is if no cap."""
+    if cap is None:
+        return x
+    if x.dtype != torch.float32 or not cap > 0:
+        raise ValueError(f"soft_cap needs float32 values and a cap > 0, got {x.dtype}, {cap}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    library().specsplit_soft_cap(_ptr(x), x.numel(), float(cap), _ptr(out), _threads())
+    return out
+
+
+def _computes_activation(config) -> bool:
+    """Whether the kernels compute the activation the config names (Gemma's
+    ``hidden_activation``, else ``hidden_act``), as ``activation_kind`` judges its module."""
+    from transformers.activations import ACT2FN
+
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    try:
+        activation_kind(ACT2FN[name])
+    except (KeyError, ValueError):
+        return False
+    return True

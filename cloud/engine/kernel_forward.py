@@ -7,11 +7,20 @@ with rollback by length), for the same Llama-style decoders, with:
 - activations quantised to int8 per 32 values once per input, shared by the fused matmul;
 - one attention call per layer for every segment of the pass (``cpu_kernels.attention``);
 - RMSNorm fused into the quantisation of its output, the rotary embedding in place on the
-  fused q/k/v output (both our kernels), the activation function in float32 torch.
+  fused q/k/v output, the MLP activation act(gate) * up fused into its quantisation;
+- every float op between two kernels in C too (``cpu_kernels.rms_norm``, ``residual_add``,
+  ``soft_cap``: ``cpu_rowwise.c``), none in torch: torch splits elementwise ops and reductions
+  where the element and thread counts say, so its results for a row can move with the batch.
+  What torch still does between kernels only copies values (cat, split, the rotary tables'
+  gather), or is one IEEE add per element (a projection's bias), whose result does not depend
+  on how the elements are split; the rotary tables are computed one position at a time
+  (``PositionTables``).
 
 Every op is row-wise: a row's logits depend on its own token and its own session's cache only,
-never on how many rows or sessions share the pass (tests/cloud/engine/test_kernel_forward.py
-proves it bit for bit), so a verify block and one-token steps agree exactly in any precision.
+never on how many rows or sessions share the pass nor on the thread count
+(tests/cloud/engine/test_kernel_forward.py and tests/cloud/engine/test_rowwise.py prove it bit
+for bit, the latter at the real widths), so a verify block and one-token steps agree exactly in
+any precision.
 """
 
 from __future__ import annotations
@@ -164,10 +173,51 @@ def _release_float_weights(model, drop_embedding: bool) -> None:
     release_freed_memory()
 
 
-def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """An RMSNorm of float32 rows (over the last dim) in torch, where no matmul follows."""
-    weight, eps = norm
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+class PositionTables:
+    """The rotary cos/sin of each position, computed the first time a pass reaches it and kept,
+    so that a position's table is a function of the position only, never of the other rows of
+    a pass (torch's cos and sin over a pass split their work where the pass's size says).
+    Computed by ``decoder.Rotary.tables`` over a fixed block of positions, ``BLOCK`` of them
+    from a multiple of ``BLOCK`` (each position always in the same call, at the same place), or
+    one position alone where the tables depend on the sequence's length (``Rotary.dynamic``)."""
+
+    BLOCK = 64
+
+    def __init__(self, rotary: decoder.Rotary, hidden: int):
+        self.rotary = rotary
+        self.probe = torch.zeros(1, hidden)  # tells the module the dtype (float32) and device
+        self.known = 0  # positions 0 .. known - 1 are kept
+        self.cos: dict[str | None, torch.Tensor] = {}  # {key: [capacity, rotary dims]}
+        self.sin: dict[str | None, torch.Tensor] = {}
+
+    @torch.inference_mode()  # the kept tables are inference tensors: written in this mode only
+    def __call__(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, ...]]:
+        """{rope key: (cos [R, rotary dims], sin [R, rotary dims])} for positions [R]."""
+        top = int(positions.max()) + 1 if len(positions) else 0
+        if top > self.known:
+            self._extend(top)
+        return {k: (self.cos[k][positions], self.sin[k][positions]) for k in self.cos}
+
+    def _extend(self, top: int) -> None:
+        step = 1 if self.rotary.dynamic else self.BLOCK
+        end = -(-top // step) * step
+        capacity = max(end, 2 * self.known)
+        for start in range(self.known, end, step):
+            one = self.rotary.tables(self.probe, [torch.arange(start, start + step)])
+            for key, (cos, sin) in one.items():
+                if key not in self.cos or self.cos[key].shape[0] < start + step:
+                    self.cos[key] = _grown(self.cos.get(key), capacity, cos.shape[-1])
+                    self.sin[key] = _grown(self.sin.get(key), capacity, sin.shape[-1])
+                self.cos[key][start : start + step] = cos
+                self.sin[key][start : start + step] = sin
+        self.known = end
+
+
+def _grown(table: torch.Tensor | None, rows: int, width: int) -> torch.Tensor:
+    out = torch.empty(rows, width, dtype=torch.float32)
+    if table is not None:
+        out[: table.shape[0]] = table
+    return out
 
 
 class _Layer:
@@ -180,7 +230,7 @@ class _Layer:
         self.pre_mlp_norm, self.post_mlp_norm = params(norms.pre_mlp), params(norms.post_mlp)
         qk = decoder.qk_norms(layer)
         self.qk_norms = None if qk is None else (params(qk[0]), params(qk[1]))
-        self.act = decoder.mlp_activation(layer)
+        self.act = kernels.activation_kind(decoder.mlp_activation(layer))  # refused here
 
     @property
     def linears(self) -> list[QuantLinear]:
@@ -240,7 +290,7 @@ class KernelForward:
         self.embed = inner.embed_tokens
         self.norm = decoder.rms_norm_params(inner.norm, config)
         inner.rotary_emb.float()  # tables in float32; the embedding keeps its dtype (_embed)
-        self.rotary = decoder.Rotary(inner, config)
+        self.tables = PositionTables(decoder.Rotary(inner, config), config.hidden_size)
         _pack_into_huge_pages([lin for layer in self.layers for lin in layer.linears] + [lm_head])
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         self.bytes = sum(lin.nbytes for lin in linears)
@@ -273,7 +323,7 @@ class KernelForward:
         ids = torch.tensor([t for seg in segments for t in seg.tokens])
         positions = [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
         x = self._embed(ids)  # [R, hidden] float32
-        tables = self.rotary.tables(x, positions)  # {key: (cos, sin) [R, rotary dims]} float32
+        tables = self.tables(torch.cat(positions))  # {key: (cos, sin) [R, rotary dims]}
         batch = kernels.RaggedBatch([seg.slot.kv for seg in segments], starts, lengths)
         for li, layer in enumerate(self.layers):
             x = self._layer(li, layer, x, tables, batch)
@@ -294,17 +344,16 @@ class KernelForward:
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(kernels.QuantizedRows(h, self.norm))
-        return decoder.soft_cap(logits, self.final_softcap)
+        return kernels.soft_cap(logits, self.final_softcap)
 
     def _layer(self, li: int, layer: _Layer, x, tables, batch) -> torch.Tensor:
         spec, rows, hd = self.specs[li], x.shape[0], self.head_dim
         q_width, kv_width = self.heads * hd, self.kv_heads * hd
         qkv = layer.qkv(kernels.QuantizedRows(x, layer.input_norm)).contiguous()
         if layer.qk_norms is not None:  # Qwen3, Gemma 3: per head, before the rotation
-            heads = self.heads + self.kv_heads
-            qk = qkv[:, : heads * hd].view(rows, heads, hd)
-            qk[:, : self.heads] = _rms(qk[:, : self.heads], layer.qk_norms[0])
-            qk[:, self.heads :] = _rms(qk[:, self.heads :], layer.qk_norms[1])
+            q, k = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
+            kernels.rms_norm(q, layer.qk_norms[0], out=q)
+            kernels.rms_norm(k, layer.qk_norms[1], out=k)
         cos, sin = tables[spec.rope]
         kernels.rope(qkv, self.heads + self.kv_heads, hd, cos, sin)  # q's and k's heads
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
@@ -312,7 +361,7 @@ class KernelForward:
         k, v = k.reshape(rows, self.kv_heads, hd), v.reshape(rows, self.kv_heads, hd)
         attn = kernels.attention(q, k, v, batch, li, spec.scale, spec.window, spec.softcap)
         out = layer.o(kernels.QuantizedRows(attn.reshape(rows, q_width)))
-        x = x + (out if layer.post_attn_norm is None else _rms(out, layer.post_attn_norm))
-        gate, up = layer.gate_up(kernels.QuantizedRows(x, layer.pre_mlp_norm)).chunk(2, dim=-1)
-        out = layer.down(kernels.QuantizedRows(layer.act(gate) * up))
-        return x + (out if layer.post_mlp_norm is None else _rms(out, layer.post_mlp_norm))
+        x = kernels.residual_add(x, out, layer.post_attn_norm, in_place=True)  # the pass owns x
+        gate_up = layer.gate_up(kernels.QuantizedRows(x, layer.pre_mlp_norm))  # [R, 2F]
+        out = layer.down(kernels.ActivatedRows(gate_up, layer.act))
+        return kernels.residual_add(x, out, layer.post_mlp_norm, in_place=True)

@@ -175,6 +175,8 @@ class QuantLinear:
         )
 
     def __call__(self, x: kernels.QuantizedRows) -> torch.Tensor:
+        """[M, N] float32. The bias is added in torch: one IEEE add per element, no reduction,
+        so its result is the same however torch splits the elements (row-local as the kernels)."""
         if not self.kernel_parts:
             self.pack(x.backend)
         outs = [formats.gemm(x, w) for w in self.kernel_parts]

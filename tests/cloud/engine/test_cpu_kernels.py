@@ -366,3 +366,15 @@ def test_the_kernels_command_fails_clearly_where_kernels_cannot_load(tmp_path):
     else:
         assert f"refusing to load the CPU kernels from {unsafe}" in done.stderr
     assert "float weights" in done.stderr
+
+
+def test_the_kernels_build_wherever_the_cpu_and_a_compiler_allow():
+    """Kernel tests skip where the kernels cannot run: on a machine that can run them, a
+    library that fails to build (a broken header, a bad merge) must fail here, not turn every
+    bit-identity test into a skip."""
+    try:
+        kernels.check_cpu()
+        kernels.compiler()
+    except kernels.KernelsUnavailable as e:
+        pytest.skip(f"this machine cannot run the kernels: {e}")
+    assert kernels.unavailable() is None
