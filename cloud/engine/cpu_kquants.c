@@ -36,6 +36,11 @@ Layouts (kquants.pack makes them from the natural one), per super-block of a col
 #define KQ_GROUPS 8 /* groups of 32 per super-block */
 #define KQ_TILE 4   /* the tile switch covers remainders 1 .. KQ_TILE - 1 */
 #define KQ_LANES 16
+/* Software prefetch, this many bytes ahead in the low-bit plane (the high plane at its own
+   proportion): one-row streams of several planes leave the hardware prefetcher behind. Measured
+   on EPYC (AVX-512 VNNI), one core, blk.0.ffn_down (Q6_K): 0.57 -> 0.25 ms a row (VNNI),
+   0.64 -> 0.55 (AVX2); 2048 or 16384 bytes do worse. */
+#define KQ_PREFETCH 4096
 _Static_assert(KQ_TILE == 4, "the tile switch handles remainders of up to 3 rows");
 enum { KQ_Q4_K = 0, KQ_Q5_K = 1, KQ_Q6_K = 2 }; /* kquants.FORMATS order */
 
@@ -91,6 +96,11 @@ KQ_INLINE KQ_AVX2 void avx2_tile(const int f, const int rt, const specsplit_kq_r
     float acc[KQ_TILE], offset[KQ_TILE];
     for (int i = 0; i < rt; i++) acc[i] = offset[i] = 0.0f;
     for (int64_t b = 0; b < B; b++) {
+        _mm_prefetch((const char *)ql + b * 128 + KQ_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)ql + b * 128 + KQ_PREFETCH + 64, _MM_HINT_T0);
+        if (f == KQ_Q6_K) _mm_prefetch((const char *)qh + b * 64 + KQ_PREFETCH / 2, _MM_HINT_T0);
+        if (f == KQ_Q5_K && b % 2 == 0)
+            _mm_prefetch((const char *)qh + b * 32 + KQ_PREFETCH / 4, _MM_HINT_T0);
         __m256i scales, hv[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         if (f == KQ_Q6_K) {
             const int8_t *sc = (const int8_t *)w->sc + n * (K / 16) + b * 16;
@@ -233,6 +243,13 @@ KQ_INLINE KQ_VNNI void vnni_tile(const int f, const int rt, const specsplit_kq_r
                 scp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sc + g * KQ_LANES)));
             for (int h = 0; h < 2; h++) {
                 const int64_t gg = g + h;
+                for (int l = 0; l < 4; l++)
+                    _mm_prefetch((const char *)ql + gg * 256 + KQ_PREFETCH + 64 * l, _MM_HINT_T0);
+                if (f == KQ_Q5_K)
+                    _mm_prefetch((const char *)qh + gg * 64 + KQ_PREFETCH / 4, _MM_HINT_T0);
+                if (f == KQ_Q6_K)
+                    for (int l = 0; l < 2; l++)
+                        _mm_prefetch((const char *)qh + gg * 128 + KQ_PREFETCH / 2 + 64 * l, _MM_HINT_T0);
                 __m512i wv[8];
                 for (int j = 0; j < 4; j++) {
                     const __m512i v = _mm512_loadu_si512(ql + gg * 256 + 64 * j);
