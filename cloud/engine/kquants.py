@@ -1,8 +1,8 @@
 """GGUF K-quant weights (Q4_K, Q5_K, Q6_K) at their own widths, on the CPU kernels.
 
 A K-quant row is cut into super-blocks of 256 values with a float16 scale ``d`` (and, for
-Q4_K/Q5_K, a float16 ``dmin``), each holding small integer sub-block scales: ggml's
-``block_q4_K``, ``block_q5_K`` and ``block_q6_K`` (``gguf.quants`` decodes them). The weights:
+Q4_K/Q5_K, a float16 ``dmin``), each holding small integer sub-block scales (``gguf.quants``'
+``Q4_K``, ``Q5_K`` and ``Q6_K`` decode them, and document each block's bits). The weights:
 - q4_k: ``w = d * sc[g] * q - dmin * mn[g]``, q in [0, 15], sc and mn 6-bit per 32 values;
 - q5_k: the same with q in [0, 31];
 - q6_k: ``w = d * sc[j] * (q - 32)``, q in [0, 63], sc int8 per 16 values.

@@ -4,8 +4,11 @@ thread count and the scales."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
@@ -209,3 +212,10 @@ def test_weights_of_another_format_or_kernel_are_refused():
             kquants.gemm("q6_k", kernels.QuantizedRows(torch.randn(1, 256), kernel="avx512vnni"), w)
     with pytest.raises(ValueError, match="unknown kernel backend"):
         kquants.pack("q6_k", "neon", tensors)
+
+
+def test_the_kernel_sources_ship_with_the_package():
+    """A wheel without one of SOURCES cannot build the kernels where it is installed."""
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["specsplit.cloud.engine"]
+    assert {p.name for p in (*kernels.SOURCES, kernels.HEADER)} <= set(shipped)
