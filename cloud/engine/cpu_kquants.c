@@ -38,8 +38,9 @@ Layouts (kquants.pack makes them from the natural one), per super-block of a col
 #define KQ_LANES 16
 /* Software prefetch, this many bytes ahead in the low-bit plane (the high plane at its own
    proportion): one-row streams of several planes leave the hardware prefetcher behind. Measured
-   on EPYC (AVX-512 VNNI), one core, blk.0.ffn_down (Q6_K): 0.57 -> 0.25 ms a row (VNNI),
-   0.64 -> 0.55 (AVX2); 2048 or 16384 bytes do worse. */
+   on a shared 2-core EPYC (AVX-512 VNNI), one core, best of 60 calls from DRAM, one row:
+   blk.0.ffn_down (Q6_K) 0.76 -> 0.58 ms (VNNI), 0.65 -> 0.61 (AVX2); blk.0.ffn_gate (Q4_K)
+   0.35 -> 0.31 (VNNI). 8192 bytes did no better. */
 #define KQ_PREFETCH 4096
 _Static_assert(KQ_TILE == 4, "the tile switch handles remainders of up to 3 rows");
 enum { KQ_Q4_K = 0, KQ_Q5_K = 1, KQ_Q6_K = 2 }; /* kquants.FORMATS order */
