@@ -94,7 +94,8 @@ def test_the_natural_layout_keeps_the_default_ggufs_values_at_its_bytes(default_
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name
         assert raw.nbytes <= kquants.nbytes(tensors) <= 1.03 * raw.nbytes, fmt
         weights = raw.shape[0] * raw.shape[1] // kquants.GGUF_BLOCK_BYTES[fmt] * 256
-        assert weights * kquants.BYTES_PER_WEIGHT[fmt] == raw.nbytes
+        assert weights * kquants.GGUF_BYTES_PER_WEIGHT[fmt] == raw.nbytes
+        assert weights * kquants.BYTES_PER_WEIGHT[fmt] == kquants.nbytes(tensors)
     assert seen == {"q4_k", "q6_k"}  # Q4_K_M has no Q5_K: the synthetic tests cover it
 
 
@@ -105,6 +106,17 @@ def test_malformed_blocks_are_refused():
         kquants.from_gguf("q6_k", np.zeros((2, 210), np.int8))
     with pytest.raises(ValueError, match="unknown K-quant format"):
         kquants.from_gguf("q3_k", np.zeros((2, 110), np.uint8))
+
+
+@KERNELS
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", kquants.FORMATS)
+def test_a_kernel_reads_the_natural_layouts_bytes(fmt, backend):
+    """Where N is a whole number of 16-column blocks, no layout adds a byte (BYTES_PER_WEIGHT)."""
+    n, k = 32, 512
+    tensors = kquants.from_gguf(fmt, gguf_blocks(fmt, n, k))
+    assert kquants.nbytes(tensors) == n * k * kquants.BYTES_PER_WEIGHT[fmt]
+    assert kquants.pack(fmt, backend, tensors).nbytes == kquants.nbytes(tensors)
 
 
 @KERNELS
