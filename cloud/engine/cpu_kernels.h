@@ -19,14 +19,14 @@ static inline float hsum8(__m256 v) {
 
 /* ---- K-quants (cpu_kquants.c; cloud/engine/kquants.py builds these and the layouts) ---- */
 
-/* Activations, as cloud/engine/cpu_kernels.py's QuantizedRows holds them, plus q6_k's sums per
-   16 values (kquants.sums16; NULL for the other formats). */
+/* Activations, as cloud/engine/cpu_kernels.py's QuantizedRows holds them, plus a work buffer
+   for q6_k's sums per 16 values, which the matmul fills (NULL for the other formats). */
 typedef struct {
     int64_t m, k;
     const int8_t *xq;      /* [m, k], the kernel's layout */
     const float *xs;       /* [m, k / 256] */
     const int16_t *xsum;   /* [m, k / 32] */
-    const void *xsum16;    /* avx2: int16 [m, k / 256, 16]; vnni: int32 [m, k / 16] */
+    int32_t *xsum16;       /* q6_k: [m, k / 16] int32 of scratch; else NULL */
 } specsplit_kq_rows;
 
 /* One matmul's K-quant weights in a kernel's layout (cpu_kquants.c's header). */

@@ -11,7 +11,8 @@ reduction; no fused multiply-add) and its canonical product with K-quant contain
   a = o = 0.0f; for b in order: a = a + (float)S * (d * xs[r, b]); o = o + (float)M * (dm * xs[r, b]);
   out = a - o.   (d, dm widen exactly from float16.)
 Both kernels read unsigned levels (u8 x s8 products); q6_k's - 32 is the exact integer
--32 * sc[j] * xsum16[r, j], xsum16 the activations' sums per 16 values (kquants.sums16).
+-32 * sc[j] * xsum16[r, j], xsum16 the activations' sums per 16 values, which each call
+computes first into the caller's work buffer, in the order its kernel reads them.
 
 Layouts (kquants.pack makes them from the natural one), per super-block of a column:
   AVX2, positions in the activations' paired order, chunk c (0..7) = positions 32c..32c+31:
@@ -21,14 +22,14 @@ Layouts (kquants.pack makes them from the natural one), per super-block of a col
         q6_k: 64 bytes, vector u byte i bits 2s, 2s + 1 = bits 4, 5 of chunk 4u + s position i;
     sc  q4_k/q5_k: 8 uint8 (natural); q6_k: 16 int8 [A_0..A_7 | B_0..B_7], A_c and B_c the
         scales of chunk c's low and high 16 values (kquants._pack_avx2);
-    d, mn, dm natural; xsum16 int16 [M, B, 16] in the order of q6_k's sc.
+    d, mn, dm natural; xsum16 as int16 [M, B, 16] in the order of q6_k's sc.
   AVX-512 VNNI, blocks of 16 columns, one 32-bit lane each; per group of 32 (natural order),
   operand j (0..7) lane n byte t = element 4j + t of column n:
     ql  4 x 64 bytes, vector i: operand 2i (low nibbles), operand 2i + 1 (high nibbles);
     qh  q5_k: 64 bytes, bit j = bit 4 of operand j; q6_k: 2 x 64 bytes, vector u bits 2s,
         2s + 1 = bits 4, 5 of operand 4u + s;
     sc  q4_k/q5_k (and mn): [pairs of groups][16][2] uint8; q6_k: [K / 16][16] int8;
-    d, dm [B][16] float16; xsum16 int32 [M, K / 16], already times -32.
+    d, dm [B][16] float16; xsum16 int32 [M, K / 16] (natural order), already times -32.
 */
 #include "cpu_kernels.h"
 
@@ -57,6 +58,13 @@ static inline int32_t kq_load32(const void *p) { /* no aliasing cast */
 }
 
 /* ---- AVX2 + FMA ------------------------------------------------------------------------- */
+
+/* The sum of 16 int8 values: psadbw of the values biased to unsigned, less the bias. */
+static inline int32_t kq_sum16(const int8_t *p) {
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)0x80));
+    const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
 
 KQ_INLINE KQ_AVX2 int32_t kq_hsum8(__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -150,7 +158,7 @@ KQ_INLINE KQ_AVX2 void avx2_tile(const int f, const int rt, const specsplit_kq_r
         }
         const float d = _cvtsh_ss(w->d[n * B + b]);
         if (f == KQ_Q6_K) { /* levels were q; the product wants q - 32 */
-            const int16_t *s16 = (const int16_t *)x->xsum16;
+            const int16_t *s16 = (const int16_t *)x->xsum16; /* [M, B, 16] */
             for (int i = 0; i < rt; i++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(s16 + ((r0 + i) * B + b) * 16));
                 sumi[i] = _mm256_sub_epi32(sumi[i], _mm256_slli_epi32(_mm256_madd_epi16(scales, xv), 5));
@@ -191,6 +199,15 @@ KQ_INLINE KQ_AVX2 void avx2_column(const int f, const specsplit_kq_rows *x,
 KQ_AVX2 void specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
                                float *out, int nt) {
     const int64_t N = w->n;
+    if (w->fmt == KQ_Q6_K) { /* xsum16 as int16 [M, B, 16]: paired chunk c's halves at c, 8 + c */
+        int16_t *s16 = (int16_t *)x->xsum16;
+        for (int64_t r = 0; r < x->m; r++)
+            for (int64_t b = 0; b < x->k / KQ_SUPER; b++)
+                for (int half = 0; half < 2; half++)
+                    for (int c = 0; c < 8; c++)
+                        s16[(r * (x->k / KQ_SUPER) + b) * 16 + 8 * half + c] =
+                            (int16_t)kq_sum16(x->xq + r * x->k + b * KQ_SUPER + 32 * c + 16 * half);
+    }
     switch (w->fmt) {
     case KQ_Q4_K:
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -335,6 +352,10 @@ KQ_INLINE KQ_VNNI void vnni_block(const int f, const specsplit_kq_rows *x,
 KQ_VNNI void specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
                                     float *out, int nt) {
     const int64_t blocks = (w->n + KQ_LANES - 1) / KQ_LANES;
+    if (w->fmt == KQ_Q6_K) /* xsum16 as int32 [M, K / 16], times -32: the chains' start */
+        for (int64_t r = 0; r < x->m; r++)
+            for (int64_t j = 0; j < x->k / 16; j++)
+                x->xsum16[r * (x->k / 16) + j] = -32 * kq_sum16(x->xq + r * x->k + 16 * j);
     switch (w->fmt) {
     case KQ_Q4_K:
 #pragma omp parallel for num_threads(nt) schedule(static)

@@ -317,7 +317,7 @@ class _Rows(ctypes.Structure):  # cpu_kernels.h: specsplit_kq_rows
         ("xq", ctypes.c_void_p),
         ("xs", ctypes.c_void_p),
         ("xsum", ctypes.c_void_p),
-        ("xsum16", ctypes.c_void_p),
+        ("xsum16", ctypes.c_void_p),  # scratch
     ]
 
 
@@ -334,17 +334,6 @@ class _Weights(ctypes.Structure):  # cpu_kernels.h: specsplit_kq_weights
     ]
 
 
-def sums16(x: kernels.QuantizedRows) -> torch.Tensor:
-    """Q6_K's bias correction input: the activations' sums per 16 values, in the order of
-    ``x``'s kernel: avx2, int16 [M, B, 16] as its scales ([chunk c low halves | high halves]
-    of the paired layout); avx512vnni, int32 [M, K / 16] already times -32."""
-    m, k = x.xq.shape
-    sums = x.xq.view(m, k // 16, 16).sum(-1, dtype=torch.int32)
-    if x.backend == "avx2":
-        return sums.view(m, k // SUPER, 8, 2).transpose(-1, -2).to(torch.int16).contiguous()
-    return (sums * -32).contiguous()
-
-
 def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     """[M, N] = x @ w.T, w in the layout of x's kernel (``pack``)."""
     _check_format(fmt)
@@ -353,10 +342,10 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     if w.backend != x.backend or w.k != x.k:
         raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)
-    extra = sums16(x) if fmt == "q6_k" else None  # held: C reads it
     rows = _Rows(x.rows, x.k, x.xq.data_ptr(), x.xs.data_ptr(), x.xsum.data_ptr(), None)
-    if extra is not None:
-        rows.xsum16 = extra.data_ptr()
+    if fmt == "q6_k":  # the kernel's work buffer for the activations' sums per 16 values
+        scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
+        rows.xsum16 = scratch.data_ptr()
     ql, *rest = w.tensors
     qh = rest.pop(0) if fmt != "q4_k" else None
     sc, d, *offsets = rest
