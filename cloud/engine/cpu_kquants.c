@@ -12,7 +12,8 @@ reduction; no fused multiply-add) and its canonical product with K-quant contain
   out = a - o.   (d, dm widen exactly from float16.)
 Both kernels read unsigned levels (u8 x s8 products); q6_k's - 32 is the exact integer
 -32 * sc[j] * xsum16[r, j], xsum16 the activations' sums per 16 values, which each call
-computes first into the caller's work buffer, in the order its kernel reads them.
+computes first (into its stack, or the caller's work buffer for many rows) in the order its
+kernel reads them.
 
 Layouts (kquants.pack makes them from the natural one), per super-block of a column:
   AVX2, positions in the activations' paired order, chunk c (0..7) = positions 32c..32c+31:
@@ -44,6 +45,10 @@ Layouts (kquants.pack makes them from the natural one), per super-block of a col
    0.35 -> 0.31 (VNNI). 8192 bytes did no better. Q6_K's scales too: 0.56 -> 0.50 ms (VNNI;
    in the AVX2 kernel they cost 0.59 -> 0.63). */
 #define KQ_PREFETCH 4096
+/* q6_k's sums per 16 activations live on the stack up to this many (32 KiB: K = 8960 up to 14
+   rows); beyond, the caller hands in the work buffer (kquants.LOCAL_SUMS mirrors it), or the
+   matmul returns -1 and computes nothing. */
+#define KQ_LOCAL_SUMS 8192
 _Static_assert(KQ_TILE == 4, "the tile switch handles remainders of up to 3 rows");
 enum { KQ_Q4_K = 0, KQ_Q5_K = 1, KQ_Q6_K = 2 }; /* kquants.FORMATS order */
 
@@ -196,10 +201,21 @@ KQ_INLINE KQ_AVX2 void avx2_column(const int f, const specsplit_kq_rows *x,
     }
 }
 
-KQ_AVX2 void specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
-                               float *out, int nt) {
+/* q6_k's work buffer for its sums per 16 activations: the caller's, or `local` where they fit;
+   NULL where neither. */
+static inline int32_t *kq_sums_buffer(const specsplit_kq_rows *x, int32_t *local) {
+    if (x->xsum16) return x->xsum16;
+    return x->m * (x->k / 16) <= KQ_LOCAL_SUMS ? local : NULL;
+}
+
+KQ_AVX2 int specsplit_kq_gemm(const specsplit_kq_rows *rows, const specsplit_kq_weights *w,
+                              float *out, int nt) {
     const int64_t N = w->n;
+    int32_t local[KQ_LOCAL_SUMS];
+    specsplit_kq_rows own = *rows;
+    const specsplit_kq_rows *x = &own;
     if (w->fmt == KQ_Q6_K) { /* xsum16 as int16 [M, B, 16]: paired chunk c's halves at c, 8 + c */
+        if (!(own.xsum16 = kq_sums_buffer(rows, local))) return -1;
         int16_t *s16 = (int16_t *)x->xsum16;
         for (int64_t r = 0; r < x->m; r++)
             for (int64_t b = 0; b < x->k / KQ_SUPER; b++)
@@ -223,6 +239,7 @@ KQ_AVX2 void specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_we
         break;
     default: break;
     }
+    return 0;
 }
 
 /* ---- AVX-512 VNNI: 16 output columns per vector ------------------------------------------- */
@@ -349,9 +366,13 @@ KQ_INLINE KQ_VNNI void vnni_block(const int f, const specsplit_kq_rows *x,
     }
 }
 
-KQ_VNNI void specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
-                                    float *out, int nt) {
+KQ_VNNI int specsplit_kq_gemm_vnni(const specsplit_kq_rows *rows, const specsplit_kq_weights *w,
+                                   float *out, int nt) {
     const int64_t blocks = (w->n + KQ_LANES - 1) / KQ_LANES;
+    int32_t local[KQ_LOCAL_SUMS];
+    specsplit_kq_rows own = *rows;
+    const specsplit_kq_rows *x = &own;
+    if (w->fmt == KQ_Q6_K && !(own.xsum16 = kq_sums_buffer(rows, local))) return -1;
     if (w->fmt == KQ_Q6_K) /* xsum16 as int32 [M, K / 16], times -32: the chains' start */
         for (int64_t r = 0; r < x->m; r++)
             for (int64_t j = 0; j < x->k / 16; j++)
@@ -371,4 +392,5 @@ KQ_VNNI void specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_
         break;
     default: break;
     }
+    return 0;
 }

@@ -48,6 +48,7 @@ GGUF_BYTES_PER_WEIGHT = {f: b / SUPER for f, b in GGUF_BLOCK_BYTES.items()}
 # the GGUF's bytes plus, for q4_k/q5_k, 8 bytes a super-block for uint8 scales and mins
 # instead of ggml's 12 packed 6-bit ones (+2.8%, +2.3%); q6_k's exactly
 BYTES_PER_WEIGHT = {"q4_k": 148 / SUPER, "q5_k": 180 / SUPER, "q6_k": 210 / SUPER}
+LOCAL_SUMS = 8192  # cpu_kquants.c's KQ_LOCAL_SUMS: Q6_K's activation sums on the C stack
 _CODE = {f: i for i, f in enumerate(FORMATS)}  # the C side's fmt argument
 _LEVEL_BITS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
 
@@ -343,7 +344,7 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
         raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)
     rows = _Rows(x.rows, x.k, x.xq.data_ptr(), x.xs.data_ptr(), x.xsum.data_ptr(), None)
-    if fmt == "q6_k":  # the kernel's work buffer for the activations' sums per 16 values
+    if fmt == "q6_k" and x.rows * x.k // 16 > LOCAL_SUMS:  # else the kernel's stack holds them
         scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
         rows.xsum16 = scratch.data_ptr()
     ql, *rest = w.tensors
@@ -357,5 +358,7 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
         weights.mn, weights.dm = mn.data_ptr(), dm.data_ptr()
     lib = kernels.library()
     fn = lib.specsplit_kq_gemm if w.backend == "avx2" else lib.specsplit_kq_gemm_vnni
-    fn(ctypes.byref(rows), ctypes.byref(weights), out.data_ptr(), torch.get_num_threads())
+    fn.restype = ctypes.c_int
+    if fn(ctypes.byref(rows), ctypes.byref(weights), out.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError(f"{fn.__name__}: no work buffer for {x.rows} rows of {x.k}")
     return out

@@ -143,6 +143,28 @@ def test_every_kernel_computes_the_canonical_product_at_every_row_count(fmt, bac
 
 
 @KERNELS
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_q6_k_activation_sums_on_the_stack_or_in_a_work_buffer(backend):
+    """Up to kquants.LOCAL_SUMS sums per 16 activations the kernel keeps them on its stack;
+    beyond, in the buffer gemm hands in: both give the canonical product."""
+    n, k = 20, 8192
+    tensors = kquants.from_gguf("q6_k", gguf_blocks("q6_k", n, k, seed=6))
+    w = kquants.pack("q6_k", backend, tensors)
+    x = torch.randn(17, k)
+    for m in (16, 17):  # 16 * 8192 / 16 == LOCAL_SUMS
+        rows = kernels.QuantizedRows(x[:m], kernel=backend)
+        assert_bits_equal(kquants.gemm("q6_k", rows, w), expected("q6_k", rows, tensors))
+    rows = kernels.QuantizedRows(x, kernel=backend)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(kquants, "LOCAL_SUMS", 10**9)  # gemm hands in no buffer: the C side refuses
+    try:
+        with pytest.raises(RuntimeError, match="no work buffer for 17 rows"):
+            kquants.gemm("q6_k", rows, w)
+    finally:
+        monkey.undo()
+
+
+@KERNELS
 @pytest.mark.parametrize("threads", [1, 3, 4, 8])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", kquants.FORMATS)
