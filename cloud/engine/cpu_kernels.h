@@ -49,14 +49,15 @@ static inline float hsum8(__m256 v) {
 
 /* ---- K-quants (cpu_kquants.c; cloud/engine/kquants.py builds these and the layouts) ---- */
 
-/* Activations, as cloud/engine/cpu_kernels.py's QuantizedRows holds them, plus q6_k's sums per
-   16 values (kquants.sums16; NULL for the other formats). */
+/* Activations, as cloud/engine/cpu_kernels.py's QuantizedRows holds them, plus a work buffer
+   for q6_k's sums per 16 values, which the matmul fills (NULL where it fits the matmul's
+   stack, cpu_kquants.c's KQ_LOCAL_SUMS). */
 typedef struct {
     int64_t m, k;
     const int8_t *xq;      /* [m, k], the kernel's layout */
     const float *xs;       /* [m, k / 256] */
     const int16_t *xsum;   /* [m, k / 32] */
-    const void *xsum16;    /* avx2: int16 [m, k / 256, 16]; vnni: int32 [m, k / 16] */
+    int32_t *xsum16;       /* q6_k, m * k / 16 > 8192: [m, k / 16] int32 of scratch; else NULL */
 } specsplit_kq_rows;
 
 /* One matmul's K-quant weights in a kernel's layout (cpu_kquants.c's header). */
@@ -71,10 +72,10 @@ typedef struct {
     const uint16_t *dm;    /* q4_k, q5_k: float16 super-block mins; else NULL */
 } specsplit_kq_weights;
 
-void specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_weights *w, float *out,
-                       int nt);
-void specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_kq_weights *w,
-                            float *out, int nt);
+/* 0, or -1 (nothing computed) where q6_k's work buffer is needed and NULL. */
+int specsplit_kq_gemm(const specsplit_kq_rows *x, const specsplit_kq_weights *w, float *out, int nt);
+int specsplit_kq_gemm_vnni(const specsplit_kq_rows *x, const specsplit_kq_weights *w, float *out,
+                           int nt);
 
 /* ---- block-32 formats (cpu_block_quants.c): GGUF's Q8_0, Q5_0, Q4_0 at their own widths ----
    fmt: 0 q8_0, 1 q5_0, 2 q4_0 (block_quants.FORMATS); high: q5_0's high bits, else NULL. */

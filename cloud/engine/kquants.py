@@ -1,8 +1,8 @@
 """GGUF K-quant weights (Q4_K, Q5_K, Q6_K) at their own widths, on the CPU kernels.
 
 A K-quant row is cut into super-blocks of 256 values with a float16 scale ``d`` (and, for
-Q4_K/Q5_K, a float16 ``dmin``), each holding small integer sub-block scales: ggml's
-``block_q4_K``, ``block_q5_K`` and ``block_q6_K`` (``gguf.quants`` decodes them). The weights:
+Q4_K/Q5_K, a float16 ``dmin``), each holding small integer sub-block scales (``gguf.quants``'
+``Q4_K``, ``Q5_K`` and ``Q6_K`` decode them, and document each block's bits). The weights:
 - q4_k: ``w = d * sc[g] * q - dmin * mn[g]``, q in [0, 15], sc and mn 6-bit per 32 values;
 - q5_k: the same with q in [0, 31];
 - q6_k: ``w = d * sc[j] * (q - 32)``, q in [0, 63], sc int8 per 16 values.
@@ -42,9 +42,13 @@ from specsplit.cloud.engine.kernel_layouts import GROUP, LANES, KernelWeights, i
 
 FORMATS = ("q4_k", "q5_k", "q6_k")
 SUPER = 256  # values per super-block (ggml's QK_K)
-# bytes of a GGUF super-block of 256 values / 256 (ggml's block sizes: 144, 176, 210)
-GGUF_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
-BYTES_PER_WEIGHT = {f: b / SUPER for f, b in GGUF_BLOCK_BYTES.items()}
+GGUF_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # a GGUF block of 256 values
+GGUF_BYTES_PER_WEIGHT = {f: b / SUPER for f, b in GGUF_BLOCK_BYTES.items()}
+# what the natural layout and both kernels' layouts hold (and a one-row pass reads) per weight:
+# the GGUF's bytes plus, for q4_k/q5_k, 8 bytes a super-block for uint8 scales and mins
+# instead of ggml's 12 packed 6-bit ones (+2.8%, +2.3%); q6_k's exactly
+BYTES_PER_WEIGHT = {"q4_k": 148 / SUPER, "q5_k": 180 / SUPER, "q6_k": 210 / SUPER}
+LOCAL_SUMS = 8192  # cpu_kquants.c's KQ_LOCAL_SUMS: Q6_K's activation sums on the C stack
 _CODE = {f: i for i, f in enumerate(FORMATS)}  # the C side's fmt argument
 _LEVEL_BITS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
 
@@ -312,7 +316,7 @@ class _Rows(ctypes.Structure):  # cpu_kernels.h: specsplit_kq_rows
         ("xq", ctypes.c_void_p),
         ("xs", ctypes.c_void_p),
         ("xsum", ctypes.c_void_p),
-        ("xsum16", ctypes.c_void_p),
+        ("xsum16", ctypes.c_void_p),  # scratch
     ]
 
 
@@ -329,17 +333,6 @@ class _Weights(ctypes.Structure):  # cpu_kernels.h: specsplit_kq_weights
     ]
 
 
-def sums16(x: kernels.QuantizedRows) -> torch.Tensor:
-    """Q6_K's bias correction input: the activations' sums per 16 values, in the order of
-    ``x``'s kernel: avx2, int16 [M, B, 16] as its scales ([chunk c low halves | high halves]
-    of the paired layout); avx512vnni, int32 [M, K / 16] already times -32."""
-    m, k = x.xq.shape
-    sums = x.xq.view(m, k // 16, 16).sum(-1, dtype=torch.int32)
-    if x.backend == "avx2":
-        return sums.view(m, k // SUPER, 8, 2).transpose(-1, -2).to(torch.int16).contiguous()
-    return (sums * -32).contiguous()
-
-
 def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     """[M, N] = x @ w.T, w in the layout of x's kernel (``pack``)."""
     _check_format(fmt)
@@ -348,10 +341,10 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     if w.backend != x.backend or w.k != x.k:
         raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)
-    extra = sums16(x) if fmt == "q6_k" else None  # held: C reads it
     rows = _Rows(x.rows, x.k, x.xq.data_ptr(), x.xs.data_ptr(), x.xsum.data_ptr(), None)
-    if extra is not None:
-        rows.xsum16 = extra.data_ptr()
+    if fmt == "q6_k" and x.rows * x.k // 16 > LOCAL_SUMS:  # else the kernel's stack holds them
+        scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
+        rows.xsum16 = scratch.data_ptr()
     ql, *rest = w.tensors
     qh = rest.pop(0) if fmt != "q4_k" else None
     sc, d, *offsets = rest
@@ -363,5 +356,7 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
         weights.mn, weights.dm = mn.data_ptr(), dm.data_ptr()
     lib = kernels.library()
     fn = lib.specsplit_kq_gemm if w.backend == "avx2" else lib.specsplit_kq_gemm_vnni
-    fn(ctypes.byref(rows), ctypes.byref(weights), out.data_ptr(), torch.get_num_threads())
+    fn.restype = ctypes.c_int
+    if fn(ctypes.byref(rows), ctypes.byref(weights), out.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError(f"{fn.__name__}: no work buffer for {x.rows} rows of {x.k}")
     return out

@@ -91,7 +91,8 @@ def test_the_natural_layout_keeps_the_default_ggufs_values_at_its_bytes(default_
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name
         assert raw.nbytes <= kquants.nbytes(tensors) <= 1.03 * raw.nbytes, fmt
         weights = raw.shape[0] * raw.shape[1] // kquants.GGUF_BLOCK_BYTES[fmt] * 256
-        assert weights * kquants.BYTES_PER_WEIGHT[fmt] == raw.nbytes
+        assert weights * kquants.GGUF_BYTES_PER_WEIGHT[fmt] == raw.nbytes
+        assert weights * kquants.BYTES_PER_WEIGHT[fmt] == kquants.nbytes(tensors)
     assert seen == {"q4_k", "q6_k"}  # Q4_K_M has no Q5_K: the synthetic tests cover it
 
 
@@ -102,6 +103,17 @@ def test_malformed_blocks_are_refused():
         kquants.from_gguf("q6_k", np.zeros((2, 210), np.int8))
     with pytest.raises(ValueError, match="unknown K-quant format"):
         kquants.from_gguf("q3_k", np.zeros((2, 110), np.uint8))
+
+
+@KERNELS
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", kquants.FORMATS)
+def test_a_kernel_reads_the_natural_layouts_bytes(fmt, backend):
+    """Where N is a whole number of 16-column blocks, no layout adds a byte (BYTES_PER_WEIGHT)."""
+    n, k = 32, 512
+    tensors = kquants.from_gguf(fmt, gguf_blocks(fmt, n, k))
+    assert kquants.nbytes(tensors) == n * k * kquants.BYTES_PER_WEIGHT[fmt]
+    assert kquants.pack(fmt, backend, tensors).nbytes == kquants.nbytes(tensors)
 
 
 @KERNELS
@@ -125,6 +137,28 @@ def test_every_kernel_computes_the_canonical_product_at_every_row_count(fmt, bac
     for m in range(1, 18):
         rows = kernels.QuantizedRows(x[:m], kernel=backend)
         assert_bits_equal(kquants.gemm(fmt, rows, w), expected(fmt, rows, tensors))
+
+
+@KERNELS
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_q6_k_activation_sums_on_the_stack_or_in_a_work_buffer(backend):
+    """Up to kquants.LOCAL_SUMS sums per 16 activations the kernel keeps them on its stack;
+    beyond, in the buffer gemm hands in: both give the canonical product."""
+    n, k = 20, 8192
+    tensors = kquants.from_gguf("q6_k", gguf_blocks("q6_k", n, k, seed=6))
+    w = kquants.pack("q6_k", backend, tensors)
+    x = torch.randn(17, k)
+    for m in (16, 17):  # 16 * 8192 / 16 == LOCAL_SUMS
+        rows = kernels.QuantizedRows(x[:m], kernel=backend)
+        assert_bits_equal(kquants.gemm("q6_k", rows, w), expected("q6_k", rows, tensors))
+    rows = kernels.QuantizedRows(x, kernel=backend)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(kquants, "LOCAL_SUMS", 10**9)  # gemm hands in no buffer: the C side refuses
+    try:
+        with pytest.raises(RuntimeError, match="no work buffer for 17 rows"):
+            kquants.gemm("q6_k", rows, w)
+    finally:
+        monkey.undo()
 
 
 @KERNELS
