@@ -236,6 +236,9 @@ def test_report_renders_from_raw_and_meta(tmp_path: Path):
     # the CPU heads each of the three tables
     assert text.count("CPU: **AMD EPYC** (avx2 yes, avx512_vnni yes, amx no)") == 3
     assert "## 4 concurrent requests on the cloud's one core" in text
+    # split warm 5.33 tok/s against llama.cpp's 5.33 on the cloud's core: below the 1.5x wanted
+    assert "| 1.00× | ≥ 1.5× | **no** |" in text
+    assert "| 4.00× | ≥ 3.0× | yes |" in text  # split x4 against llama.cpp -np 4
     assert render(records[:2], sample_meta(rows[:1]))  # a stopped run still reports
 
 
