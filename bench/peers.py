@@ -52,6 +52,7 @@ HERE = Path(__file__).parent
 console = Console(stderr=True)
 logger = logging.getLogger(__name__)
 WARMUP_TOKENS = 8
+ENGINES = ("llama.cpp", "transformers", "specsplit")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Setup:
     plan: PeersPlan
     prompts: list[dict]  # bench/prompts.jsonl entries plus "ids" (chat-templated) and "seed"
     models: dict[str, Path]  # target_gguf, draft_gguf, target_hf, draft_hf, onnx
-    binary: Path  # llama-server
+    binary: Path | None  # llama-server (None: no llama.cpp row runs)
     flags: tuple[str, str]  # llama-server's draft-length flags (max, min)
     no_repack: bool  # asked for: skip llama.cpp's defaults
     edge_cores: set[int]
@@ -326,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         help="llama.cpp without its repacked weights in every row (default: its defaults, and "
         "--no-repack only for a row whose server crashes at them)",
     )
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=ENGINES,
+        help="run only these engines' rows (default: all; without llama.cpp nothing is built)",
+    )
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler()])
@@ -338,13 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     name = "peers-quick" if args.quick else "peers"
     args.out.mkdir(parents=True, exist_ok=True)
     raw, meta_path = args.out / f"{name}-raw.jsonl", args.out / f"{name}-meta.json"
-    binary = llama_cpp.ensure_llama_server()
     models = prepare_models()
     edge_cores, cloud_cores = split_cores()
     rows = make_rows(plan, tuple(sorted(cloud_cores)), tuple(sorted(os.sched_getaffinity(0))))
+    rows = [r for r in rows if r.engine in args.engines]
+    llama = any(r.engine == "llama.cpp" for r in rows)
+    binary = llama_cpp.ensure_llama_server() if llama else None
     t0 = time.monotonic()
     logs = Path(tempfile.mkdtemp(prefix="specsplit-peers-"))
-    flags = llama_cpp.spec_flags(llama_cpp.server_help(binary))
+    flags = llama_cpp.spec_flags(llama_cpp.server_help(binary) if binary else "")
     prompts = encoded_prompts(plan, models["target_hf"])
     no_repack = args.no_repack
     setup = Setup(plan, prompts, models, binary, flags, no_repack, edge_cores, cloud_cores, logs)

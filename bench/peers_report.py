@@ -303,6 +303,8 @@ def draft_table(rows: dict[str, list[dict]]) -> str:
         (k for k in rows if k.startswith("llama.cpp/speculative/")),
         key=lambda k: int(k.rsplit("/n", 1)[1]),
     )
+    if not spec:
+        return "(no speculative row ran)"
     lines = ["| draft max | tok/s | acceptance |", "|---|---|---|"]
     for k in spec:
         n = k.rsplit("/n", 1)[1]
@@ -368,6 +370,9 @@ def commands(meta: dict) -> str:
     """Each row's command line, cache paths shortened to $SPECSPLIT_CACHE."""
     cache = str(llama_cpp.server_path().parents[3])
     lines = []
+    if "specsplit_cloud" in meta:
+        lines.append("# specsplit's cloud, for every specsplit row (its gateway on a free port)")
+        lines.append(" ".join(map(str, meta["specsplit_cloud"])).replace(cache, "$CACHE"))
     for key, row in meta["rows"].items():
         cmd = " ".join(map(str, row.get("command", ["(not run)"]))).replace(cache, "$CACHE")
         cmd = cmd.replace(sys.executable, "python")
@@ -376,9 +381,7 @@ def commands(meta: dict) -> str:
             f"# {key} (cores {row['cores']}{ran})"
             + (f"  FAILED: {row['error']}" if "error" in row else "")
         )
-        if "cloud" in row:
-            lines.append(" ".join(map(str, row["cloud"])).replace(cache, "$CACHE"))
-        lines.append(cmd)
+        lines.append(cmd.replace(str(Path(sys.executable).parent) + "/", ""))
     return "\n".join(lines)
 
 

@@ -117,10 +117,11 @@ def run_specsplit(rows: list[Row], setup: Setup, meta: dict) -> Iterator[tuple[R
     # A first start may calibrate the target's kernels at load: minutes on a small CPU.
     log_dir = ("--triton-log-dir", str(setup.logs))
     cloud = CloudProcess(*args, *log_dir, log_dir=setup.logs, cpus=cores, timeout_s=900.0)
+    meta["specsplit_cloud"] = ["specsplit-cloud", *cloud.args[:-2]]
     for row in rows:
-        command = cli_command("HOST:PORT", row, None, setup.plan.max_new_tokens)
-        yield row, {"cloud": ["specsplit-cloud", *cloud.args[:-2]], "draft": str(onnx)}
-        yield row, {"command": command if row.cold else ["(in process)"]}
+        in_process = ["(SplitClient in this process, draft", str(onnx) + ")"]
+        n = setup.plan.max_new_tokens
+        yield row, {"command": cli_command("HOST:PORT", row, None, n) if row.cold else in_process}
     with console.status("starting the cloud (Triton + gateway) ..."):
         cloud.start()
     try:
