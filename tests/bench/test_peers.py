@@ -2,6 +2,7 @@
 crash fallback, the report's figures and tables from sample records. Nothing here builds or
 starts llama.cpp: a fake ``LlamaServer`` stands in where a row runs."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -370,8 +371,10 @@ class FakeServer:
 
 
 def fake_setup(tmp_path: Path, no_repack: bool = False) -> Setup:
-    prompts = [{"id": "code-00", "class": "code", "ids": [1, 2]}, {"id": "prose-00",
-               "class": "prose", "ids": [3]}]  # fmt: skip
+    prompts = [
+        {"id": "code-00", "class": "code", "ids": [1, 2], "seed": 1},
+        {"id": "prose-00", "class": "prose", "ids": [3], "seed": 2},
+    ]
     models = {"target_gguf": Path("/m/t.gguf"), "draft_gguf": Path("/m/d.gguf")}
     flags = ("--spec-draft-n-max", "--spec-draft-n-min")
     return Setup(
@@ -501,3 +504,44 @@ def test_a_server_gone_is_a_crash(tmp_path):
     server = llama_cpp.LlamaServer(["x"], free_port(), {0}, tmp_path / "log")
     with pytest.raises(llama_cpp.LlamaCrash, match="ConnectionRefused|URLError"):
         server.complete([1], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# specsplit's cold and concurrent clients
+
+
+def test_a_cold_client_is_the_cli_with_its_default_flags():
+    from bench.peers_specsplit import cli_command
+
+    cmd = cli_command("h:1", Row("specsplit", "split", BOTH, cold=True), [1, 2], 16)
+    assert Path(cmd[0]).name == "specsplit-edge"
+    assert cmd[1:] == ["generate", "--server", "h:1", "--mode", "split", "--prompt-ids", "1,2"] + [
+        "--max-new-tokens", "16", "--json",
+    ]  # fmt: skip
+
+
+def test_concurrent_sessions_go_in_full_waves_after_one_warm_up(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from bench import load
+    from bench.peers_specsplit import concurrent_generations
+
+    calls = []
+
+    async def fake_one(address, drafter, ids, cfg, mode, started):
+        calls.append((tuple(ids), cfg.max_new_tokens, mode))
+        stats = SimpleNamespace(
+            wall_s=1.0, drafted=4, accepted=3, rounds=2, ttft_s=0.1, lead_round=0,
+            led_at_start=False,
+        )  # fmt: skip
+        started.append((0.0, SimpleNamespace(token_ids=[5] * cfg.max_new_tokens, stats=stats)))
+
+    monkeypatch.setattr(load, "one", fake_one)
+    row = Row("specsplit", "split", BOTH, sessions=4)
+    records = asyncio.run(concurrent_generations("h:1", None, row, fake_setup(tmp_path)))
+    assert calls[0] == ((1, 2), peers.WARMUP_TOKENS, "split")  # untimed, not recorded
+    assert [c[0] for c in calls[1:]] == [(1, 2), (3,), (1, 2), (3,)]
+    assert [r["prompt_id"] for r in records] == ["code-00", "prose-00"] * 2
+    assert {r["wave"] for r in records} == {0} and len({r["wave_wall_s"] for r in records}) == 1
+    assert all(r["new_tokens"] == PLANS["quick"].max_new_tokens for r in records)
+    assert records[0]["drafted"] == 4 and records[0]["accepted"] == 3
