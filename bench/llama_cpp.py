@@ -137,13 +137,19 @@ def build_facts(version: str = VERSION) -> dict:
         return {}
 
 
-def spec_flags(help_text: str) -> tuple[str, str]:
-    """(max, min) draft-length flags of this llama-server: newer builds renamed ``--draft-max``
-    / ``--draft-min`` to ``--spec-draft-n-max`` / ``--spec-draft-n-min`` (the old names then
-    exit with "the argument has been removed")."""
-    if "--spec-draft-n-max" in help_text:
-        return "--spec-draft-n-max", "--spec-draft-n-min"
-    return "--draft-max", "--draft-min"
+def spec_flags(help_text: str) -> tuple[str, ...]:
+    """(max, min) draft-length flags of this llama-server, then the flags that switch draft-model
+    speculation on. Newer builds renamed ``--draft-max`` / ``--draft-min`` to
+    ``--spec-draft-n-max`` / ``--spec-draft-n-min`` (the old names then exit with "the argument
+    has been removed"), and builds with ``--spec-type`` (default ``none``) load ``-md`` but
+    never draft with it unless told ``--spec-type draft-simple``: their timings then carry no
+    ``draft_n``."""
+    lengths = ("--spec-draft-n-max", "--spec-draft-n-min")
+    if "--spec-draft-n-max" not in help_text:
+        lengths = ("--draft-max", "--draft-min")
+    if "--spec-type" in help_text and "draft-simple" in help_text:
+        return (*lengths, "--spec-type", "draft-simple")
+    return lengths
 
 
 def server_help(binary: Path) -> str:
@@ -158,7 +164,7 @@ def server_command(
     threads: int,
     draft: Path | None = None,
     draft_max: int = 0,
-    flags: tuple[str, str] = ("--spec-draft-n-max", "--spec-draft-n-min"),
+    flags: tuple[str, ...] = ("--spec-draft-n-max", "--spec-draft-n-min"),
     extra: Sequence[str] = (),
     parallel: int = 1,
 ) -> list[str]:
@@ -173,7 +179,7 @@ def server_command(
     cmd += ["-t", str(threads), "-tb", str(threads), "-c", ctx, "-np", str(parallel)]
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
-        cmd += [flags[0], str(draft_max), flags[1], "0"]
+        cmd += [flags[0], str(draft_max), flags[1], "0", *flags[2:]]
     return cmd + list(extra)
 
 

@@ -102,7 +102,7 @@ class Setup:
     prompts: list[dict]  # bench/prompts.jsonl entries plus "ids" (chat-templated) and "seed"
     models: dict[str, Path]  # target_gguf, draft_gguf, target_hf, draft_hf, onnx
     binary: Path | None  # llama-server (None: no llama.cpp row runs)
-    flags: tuple[str, str]  # llama-server's draft-length flags (max, min)
+    flags: tuple[str, ...]  # llama-server's speculative flags (llama_cpp.spec_flags)
     no_repack: bool  # asked for: skip llama.cpp's defaults
     edge_cores: set[int]
     cloud_cores: set[int]

