@@ -88,8 +88,8 @@ class PeersPlan:
 PLANS = {
     # Outputs that run past 64 tokens, so every row generates the same count.
     "full": PeersPlan(("code-00", "code-07", "code-13", "prose-00", "prose-05", "prose-07"), 64),
-    # ~2 minutes once llama-server is built and the cloud's kernels calibrated: every kind of
-    # row but the two slowest peers, one prompt, two draft lengths.
+    # Every kind of row but the two slowest peers, one prompt, two draft lengths: minutes once
+    # llama-server is built and the cloud's weights cached, most of them loading servers.
     "quick": PeersPlan(("code-00",), 16, draft_maxes=(2, 4), all_peers=False),
 }
 
@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="~2 minutes: one prompt, 16 tokens, draft lengths 2 and 4, no transformers rows",
+        help="the subset (minutes): one prompt, 16 tokens, draft lengths 2 and 4, no "
+        "transformers rows, no llama.cpp alone on every core",
     )
     p.add_argument("--max-new-tokens", type=int, help="override the plan's length")
     p.add_argument(
