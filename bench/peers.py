@@ -1,13 +1,24 @@
 """`make bench-peers`: specsplit next to what a user would run instead, on the same CPU, in one run.
 
 Rows, all greedy, the same chat-templated prompt token ids, the same number of new tokens at
-most, every row stopping at the models' end tokens (as specsplit does): llama.cpp's llama-server
-with the target alone on 1 and on 2 threads, and speculative with the draft (``-md``) for each
-draft length in ``PeersPlan.draft_maxes``; transformers (float32) with the target alone on one core,
-and assisted generation on two; specsplit cloud-only (target on one core) and split with its
-defaults (draft on the other core). The GGUFs are the project's own Q4_K_M files (llama.cpp reads
-them natively; transformers and specsplit read their dequantised conversion). Tokens/s is
-measured at the client, from the request to its last token, after one untimed warm-up.
+most, every row stopping at the models' end tokens (as specsplit does):
+
+- llama.cpp's llama-server at its defaults (``bench.llama_cpp.with_fallback``: ``--no-repack``
+  only where the defaults crash, and the row says so): the target alone on the cloud's core and
+  on every core; speculative with the draft (``-md``) for each draft length in
+  ``PeersPlan.draft_maxes`` (the report shows the best); and ``-np N -t 1`` on the cloud's core
+  with N requests at once.
+- transformers (float32): the target alone on one core, assisted generation on two.
+- specsplit on one cloud (target on the cloud's core): cloud-only and split, each from a warm
+  client (one client in this process, after a warm-up) and from cold clients (a new
+  ``specsplit-edge generate`` process per prompt, default flags); and N concurrent sessions of
+  each, the split's drafts being the real draft's blocks replayed (``bench.replay`` and
+  ``bench.load``'s priming and generation config).
+
+The GGUFs are the project's own Q4_K_M files (llama.cpp reads them natively; transformers and
+specsplit read their dequantised conversion). Tokens/s is measured at the client, from the
+request to its last token, after one untimed warm-up (the cold rows have none); N concurrent
+requests are sent in waves of N, and their aggregate is the waves' tokens over the waves' wall.
 
 Writes docs/peers[-quick].md, -raw.jsonl (one record per generation) and -meta.json.
 """
@@ -15,7 +26,6 @@ Writes docs/peers[-quick].md, -raw.jsonl (one record per generation) and -meta.j
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -25,7 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -41,6 +52,7 @@ HERE = Path(__file__).parent
 console = Console(stderr=True)
 logger = logging.getLogger(__name__)
 WARMUP_TOKENS = 8
+ENGINES = ("llama.cpp", "transformers", "specsplit")
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,8 @@ class Row:
     variant: str  # target | speculative | assisted | cloud-only | split
     cores: tuple[int, ...]
     draft_max: int = 0  # llama.cpp speculative only
+    sessions: int = 1  # requests in flight at once (llama.cpp: as many slots, -np)
+    cold: bool = False  # specsplit: a new `specsplit-edge generate` process per prompt
 
     @property
     def threads(self) -> int:
@@ -56,22 +70,27 @@ class Row:
 
     @property
     def key(self) -> str:
-        return f"{self.engine}/{self.variant}/t{self.threads}" + (
-            f"/n{self.draft_max}" if self.draft_max else ""
-        )
+        key = f"{self.engine}/{self.variant}/t{self.threads}"
+        key += f"/n{self.draft_max}" if self.draft_max else ""
+        key += f"/x{self.sessions}" if self.sessions > 1 else ""
+        return key + ("/cold" if self.cold else "")
 
 
 @dataclass(frozen=True)
 class PeersPlan:
     prompt_ids: tuple[str, ...]
     max_new_tokens: int
-    draft_maxes: tuple[int, ...] = (4, 8, 16)
+    draft_maxes: tuple[int, ...] = (2, 4, 8, 16)
+    sessions: int = 4  # the concurrent rows' requests in flight
+    all_peers: bool = True  # False: no llama.cpp alone on every core, no transformers
 
 
 PLANS = {
     # Outputs that run past 64 tokens, so every row generates the same count.
     "full": PeersPlan(("code-00", "code-07", "code-13", "prose-00", "prose-05", "prose-07"), 64),
-    "quick": PeersPlan(("code-00",), 16),
+    # Every kind of row but the two slowest peers, one prompt, two draft lengths: minutes once
+    # llama-server is built and the cloud's weights cached, most of them loading servers.
+    "quick": PeersPlan(("code-00",), 16, draft_maxes=(2, 4), all_peers=False),
 }
 
 
@@ -80,11 +99,11 @@ class Setup:
     """Everything the rows share: what runs, on which cores, with which files."""
 
     plan: PeersPlan
-    prompts: list[dict]  # bench/prompts.jsonl entries plus "ids": the chat-templated token ids
+    prompts: list[dict]  # bench/prompts.jsonl entries plus "ids" (chat-templated) and "seed"
     models: dict[str, Path]  # target_gguf, draft_gguf, target_hf, draft_hf, onnx
-    binary: Path  # llama-server
-    flags: tuple[str, str]  # llama-server's draft-length flags (max, min)
-    no_repack: bool
+    binary: Path | None  # llama-server (None: no llama.cpp row runs)
+    flags: tuple[str, ...]  # llama-server's speculative flags (llama_cpp.spec_flags)
+    no_repack: bool  # asked for: skip llama.cpp's defaults
     edge_cores: set[int]
     cloud_cores: set[int]
     logs: Path
@@ -92,15 +111,28 @@ class Setup:
 
 def make_rows(plan: PeersPlan, one: tuple[int, ...], both: tuple[int, ...]) -> list[Row]:
     """``one``: the target's core (the cloud's half); ``both``: every core."""
-    return [
-        Row("llama.cpp", "target", one),
-        Row("llama.cpp", "target", both),
-        *(Row("llama.cpp", "speculative", both, n) for n in plan.draft_maxes),
-        Row("transformers", "target", one),
-        Row("transformers", "assisted", both),
+    n = plan.sessions
+    llama = [Row("llama.cpp", "target", one)]
+    llama += [Row("llama.cpp", "target", both)] if plan.all_peers else []
+    llama += [Row("llama.cpp", "speculative", both, d) for d in plan.draft_maxes]
+    llama += [Row("llama.cpp", "target", one, sessions=n)]
+    hf = [Row("transformers", "target", one), Row("transformers", "assisted", both)]
+    ours = [
         Row("specsplit", "cloud-only", one),
         Row("specsplit", "split", both),
+        Row("specsplit", "cloud-only", one, cold=True),
+        Row("specsplit", "split", both, cold=True),
+        Row("specsplit", "cloud-only", one, sessions=n),
+        Row("specsplit", "split", both, sessions=n),
     ]
+    return llama + (hf if plan.all_peers else []) + ours
+
+
+def waves(prompts: Sequence[dict], n: int) -> list[list[dict]]:
+    """The prompts in groups of ``n`` sent at once, cycling so every group is full and every
+    prompt is sent at least once."""
+    count = -(-len(prompts) // n)
+    return [[prompts[(w * n + j) % len(prompts)] for j in range(n)] for w in range(count)]
 
 
 def record(row: Row, prompt: dict, token_ids: list[int], wall_s: float, **extra) -> dict:
@@ -123,27 +155,59 @@ def record(row: Row, prompt: dict, token_ids: list[int], wall_s: float, **extra)
 # llama.cpp
 
 
-def llama_command(row: Row, setup: Setup, port: int) -> list[str]:
+def llama_command(row: Row, setup: Setup, port: int, extra: Sequence[str] = ()) -> list[str]:
     m = setup.models
     draft = m["draft_gguf"] if row.variant == "speculative" else None
-    extra = ["--no-repack"] if setup.no_repack else []
     return llama_cpp.server_command(
-        setup.binary, m["target_gguf"], port, row.threads, draft, row.draft_max, setup.flags, extra
+        setup.binary,
+        m["target_gguf"],
+        port,
+        row.threads,
+        draft,
+        row.draft_max,
+        setup.flags,
+        extra,
+        parallel=row.sessions,
     )
 
 
-def run_llama(row: Row, setup: Setup) -> Iterator[dict]:
-    port = free_port()
-    cmd = llama_command(row, setup, port)
-    yield {"command": cmd}
-    log = setup.logs / f"llama-{row.key.replace('/', '-')}.log"
-    prompts = setup.prompts
-    with llama_cpp.LlamaServer(cmd, port, set(row.cores), log) as server:
-        server.complete(prompts[0]["ids"], WARMUP_TOKENS)
+def llama_generations(server: llama_cpp.LlamaServer, row: Row, setup: Setup) -> Iterator[dict]:
+    prompts, n = setup.prompts, setup.plan.max_new_tokens
+    server.complete(prompts[0]["ids"], WARMUP_TOKENS)
+    if row.sessions == 1:
         for p in prompts:
-            out, wall = server.complete(p["ids"], setup.plan.max_new_tokens)
-            timings = out.get("timings", {})
-            yield record(row, p, out["tokens"], wall, stop_type=out.get("stop_type"), **timings)
+            out, wall = server.complete(p["ids"], n)
+            yield record(row, p, out["tokens"], wall, **llama_extra(out))
+        return
+    for w, group in enumerate(waves(prompts, row.sessions)):
+        answers, wave_wall = server.complete_concurrently([p["ids"] for p in group], n)
+        for p, (out, wall) in zip(group, answers, strict=True):
+            extra = {"wave": w, "wave_wall_s": wave_wall, **llama_extra(out)}
+            yield record(row, p, out["tokens"], wall, **extra)
+
+
+def llama_extra(out: dict) -> dict:
+    return {"stop_type": out.get("stop_type"), **out.get("timings", {})}
+
+
+def run_llama(row: Row, setup: Setup) -> Iterator[dict]:
+    """The row at llama.cpp's defaults, rerun with --no-repack only if that crashes; its
+    generations come once the row is done (a crashed attempt's never reach the report)."""
+    log = setup.logs / f"llama-{row.key.replace('/', '-')}.log"
+
+    def attempt(extra: tuple[str, ...]) -> tuple[list[str], list[dict]]:
+        port = free_port()
+        cmd = llama_command(row, setup, port, extra)
+        with llama_cpp.LlamaServer(cmd, port, set(row.cores), log) as server:
+            return cmd, list(llama_generations(server, row, setup))
+
+    if setup.no_repack:
+        (cmd, records), weights = attempt((llama_cpp.NO_REPACK,)), llama_cpp.ASKED
+    else:
+        (cmd, records), weights = llama_cpp.with_fallback(attempt)
+    yield {"command": cmd, "weights": weights}
+    for r in records:
+        yield {**r, "weights": weights}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,56 +245,6 @@ def run_transformers(row: Row, setup: Setup) -> Iterator[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# specsplit
-
-
-async def specsplit_generations(address: str, drafter, row: Row, setup: Setup) -> list[dict]:
-    """One client per mode, as an app keeps one; the project's defaults but the length."""
-    from specsplit.edge.client import GenerationConfig, SplitClient
-
-    out, prompts = [], setup.prompts
-    async with SplitClient(address, drafter) as client:
-        cfg = GenerationConfig(max_new_tokens=WARMUP_TOKENS)
-        await client.generate(prompts[0]["ids"], cfg, mode=row.variant).collect()
-        cfg = GenerationConfig(max_new_tokens=setup.plan.max_new_tokens)
-        for p in prompts:
-            t0 = time.perf_counter()
-            gen = client.generate(p["ids"], cfg, mode=row.variant)
-            await gen.collect()
-            wall = time.perf_counter() - t0
-            s = gen.stats
-            extra = {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds}
-            extra["ttft_s"] = s.ttft_s  # the prompt's pass(es) and the first token
-            out.append(record(row, p, gen.token_ids, wall, stats_wall_s=s.wall_s, **extra))
-    return out
-
-
-def run_specsplit(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
-    """Both specsplit rows on one cloud (target on the cloud's cores, no --dtype: the
-    project's default precision), the edge's draft in this process on the other cores."""
-    from specsplit.cloud.supervision.process import CloudProcess
-    from specsplit.edge.onnx_drafter import OnnxDrafter
-
-    onnx, cores = setup.models["onnx"], setup.cloud_cores
-    args = ("--target", str(setup.models["target_hf"]), "--threads", str(len(cores)))
-    # A first start may calibrate the target's kernels at load: minutes on a small CPU.
-    log_dir = ("--triton-log-dir", str(setup.logs))
-    cloud = CloudProcess(*args, *log_dir, log_dir=setup.logs, cpus=cores, timeout_s=900.0)
-    for row in rows:
-        yield row, {"command": ["specsplit-cloud", *cloud.args[:-2]], "draft": str(onnx)}
-    with console.status("starting the cloud (Triton + gateway) ..."):
-        cloud.start()
-    try:
-        drafter = OnnxDrafter(onnx, threads=len(setup.edge_cores))
-        for row in rows:
-            gens = specsplit_generations(cloud.address, drafter, row, setup)
-            for r in asyncio.run(gens):
-                yield row, r
-    finally:
-        cloud.stop()
-
-
-# ---------------------------------------------------------------------------------------------
 # the run
 
 
@@ -257,12 +271,19 @@ def encoded_prompts(plan: PeersPlan, target_hf: Path) -> list[dict]:
 
     codec = TextCodec(target_hf)
     by_id = {p["id"]: p for p in load_prompts()}
-    return [{**by_id[i], "ids": codec.chat_prompt(by_id[i]["prompt"])} for i in plan.prompt_ids]
+    return [
+        # the seed as bench.load derives it (greedy rows never draw from it)
+        {**by_id[i], "ids": codec.chat_prompt(by_id[i]["prompt"]), "seed": zlib.crc32(i.encode())}
+        for i in plan.prompt_ids
+    ]
 
 
-def generations(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
+def generations(rows: list[Row], setup: Setup, meta: dict) -> Iterator[tuple[Row, dict]]:
     """(row, record) as each generation finishes; a record without "prompt_id" describes the
     row (its command). A row that fails yields {"error": ...} and the run goes on."""
+    # imported here: it imports this module's Row and Setup
+    from bench.peers_specsplit import run_specsplit
+
     engines: dict[str, Callable] = {"llama.cpp": run_llama, "transformers": run_transformers}
     for row in (r for r in rows if r.engine in engines):
         try:
@@ -273,7 +294,7 @@ def generations(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
             yield row, {"error": f"{type(exc).__name__}: {exc}"}
     ours = [r for r in rows if r.engine == "specsplit"]
     try:
-        yield from run_specsplit(ours, setup)
+        yield from run_specsplit(ours, setup, meta)
     except Exception as exc:
         logger.exception("specsplit failed")
         yield from ((row, {"error": f"{type(exc).__name__}: {exc}"}) for row in ours)
@@ -281,25 +302,38 @@ def generations(rows: list[Row], setup: Setup) -> Iterator[tuple[Row, dict]]:
 
 def measure(rows: list[Row], setup: Setup, raw: Path, meta: dict) -> None:
     """Runs every row, appending each generation to ``raw`` as it finishes."""
-    with raw.open("w") as out, contextlib.closing(generations(rows, setup)) as gens:
+    cpu = meta["cpu"]
+    with raw.open("w") as out, contextlib.closing(generations(rows, setup, meta)) as gens:
         for row, r in gens:
             if "prompt_id" not in r:
                 meta["rows"][row.key].update(r)
                 continue
-            out.write(json.dumps(r) + "\n")
+            out.write(json.dumps({**r, "cpu": cpu}) + "\n")
             out.flush()
             console.print(f"{row.key:30s} {r['prompt_id']:9s} {r['tok_s']:6.2f} tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="make bench-peers", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="one prompt, 16 tokens: the plumbing")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the subset (minutes): one prompt, 16 tokens, draft lengths 2 and 4, no "
+        "transformers rows, no llama.cpp alone on every core",
+    )
     p.add_argument("--max-new-tokens", type=int, help="override the plan's length")
     p.add_argument(
         "--no-repack",
-        action=argparse.BooleanOptionalAction,
-        help="llama.cpp without its repacked weights (default: only if a probe shows that the "
-        "repacked path crashes on this CPU)",
+        action="store_true",
+        help="llama.cpp without its repacked weights in every row (default: its defaults, and "
+        "--no-repack only for a row whose server crashes at them)",
+    )
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=ENGINES,
+        help="run only these engines' rows (default: all; without llama.cpp nothing is built)",
     )
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     args = p.parse_args(argv)
@@ -313,21 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     name = "peers-quick" if args.quick else "peers"
     args.out.mkdir(parents=True, exist_ok=True)
     raw, meta_path = args.out / f"{name}-raw.jsonl", args.out / f"{name}-meta.json"
-    binary = llama_cpp.ensure_llama_server()
     models = prepare_models()
     edge_cores, cloud_cores = split_cores()
     rows = make_rows(plan, tuple(sorted(cloud_cores)), tuple(sorted(os.sched_getaffinity(0))))
+    rows = [r for r in rows if r.engine in args.engines]
+    llama = any(r.engine == "llama.cpp" for r in rows)
+    binary = llama_cpp.ensure_llama_server() if llama else None
     t0 = time.monotonic()
     logs = Path(tempfile.mkdtemp(prefix="specsplit-peers-"))
-    flags = llama_cpp.spec_flags(llama_cpp.server_help(binary))
+    flags = llama_cpp.spec_flags(llama_cpp.server_help(binary) if binary else "")
     prompts = encoded_prompts(plan, models["target_hf"])
-    no_repack, why = args.no_repack, "asked"
-    if no_repack is None:
-        log = logs / "llama-repack-probe.log"
-        no_repack = not llama_cpp.repack_works(binary, models["target_gguf"], cloud_cores, log)
-        why = "its repacked-weights path crashed on this CPU in the run's probe"
+    no_repack = args.no_repack
     setup = Setup(plan, prompts, models, binary, flags, no_repack, edge_cores, cloud_cores, logs)
-    meta = run_meta(plan, rows, models, setup) | {"no_repack": why if no_repack else False}
+    meta = run_meta(plan, rows, models, setup)
     os.sched_setaffinity(0, edge_cores)  # this process hosts the edge's draft
     try:
         measure(rows, setup, raw, meta)

@@ -1,7 +1,11 @@
 """docs/peers.md from the raw records of `make bench-peers` (``python -m bench.peers_report``
 regenerates it from docs/peers-raw.jsonl and docs/peers-meta.json alone).
 
-tok/s of a row = its new tokens over its wall seconds, summed over the prompts it ran.
+tok/s of a row = its new tokens over its wall seconds, summed over the prompts it ran; for a
+row of N concurrent requests (``/xN``), the aggregate: its new tokens over the walls of its waves
+(each from the first request sent to the last token of the wave). Rows of one request at a time
+and concurrent rows are two tables; the CPU's model and the SIMD flags that decide llama.cpp's
+and our kernels' paths (AVX2, AVX-512 VNNI, AMX) head each of them.
 """
 
 from __future__ import annotations
@@ -21,23 +25,81 @@ from bench import llama_cpp
 from bench.report import cpu_model
 
 REFERENCE = "specsplit/cloud-only/t1"  # whose greedy output the others are compared with
-BASELINE = "llama.cpp/target/t2"  # what a user would run on this machine instead
-SIMD = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+BASELINE = "llama.cpp/target/t1"  # what a user would run on the cloud's core instead
+SIMD = (
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
+    "amx_tile", "amx_int8", "amx_bf16",
+)  # fmt: skip
 LABELS = {
     "llama.cpp/target/t1": "llama.cpp, target alone, 1 thread",
     "llama.cpp/target/t2": "llama.cpp, target alone, 2 threads",
-    "llama.cpp/speculative": "llama.cpp speculative (-md draft), 2 threads",
+    "llama.cpp/speculative/t2": "llama.cpp speculative (-md draft), 2 threads",
     "transformers/target/t1": "transformers float32, target alone, 1 core",
     "transformers/assisted/t2": "transformers assisted generation, 2 cores",
     "specsplit/cloud-only/t1": "specsplit cloud-only (target on 1 core)",
     "specsplit/split/t2": "specsplit split, defaults (draft 1 core, target 1 core)",
 }
+SINGLE_ORDER = (
+    "llama.cpp/target/t1",
+    "llama.cpp/target/t2",
+    "llama.cpp/speculative",  # the best draft length goes here
+    "transformers/target/t1",
+    "transformers/assisted/t2",
+    "specsplit/cloud-only/t1",
+    "specsplit/split/t2",
+    "specsplit/cloud-only/t1/cold",
+    "specsplit/split/t2/cold",
+)
 
 
 def label(key: str) -> str:
-    if key.startswith("llama.cpp/speculative"):
-        return f"{LABELS['llama.cpp/speculative']}, draft max {key.rsplit('/n', 1)[1]}"
-    return LABELS.get(key, key)
+    """The row's name in the report, from its key (``bench.peers.Row.key``)."""
+    parts = key.split("/")
+    text = LABELS.get("/".join(parts[:3]), key)
+    suffixes = parts[3:]
+    for part in suffixes:
+        if part.startswith("n"):
+            text += f", draft max {part[1:]}"
+        elif part.startswith("x"):
+            text += f", {part[1:]} concurrent requests"
+            text += f" (`-np {part[1:]}`)" if parts[0] == "llama.cpp" else ""
+            text += ", replayed drafts" if parts[1] == "split" else ""
+        elif part == "cold":
+            text += ", cold client (a new `specsplit-edge generate` per prompt)"
+    if parts[0] == "specsplit" and not suffixes:
+        text += ", warm client"
+    return text
+
+
+def is_concurrent(key: str) -> bool:
+    return "/x" in key
+
+
+def cloud_only_peer(key: str, rows: dict) -> str | None:
+    """The specsplit cloud-only row with the same clients (warm, cold, N concurrent) as the
+    split row ``key``; None for any other row."""
+    if not key.startswith("specsplit/split/"):
+        return None
+    a = rows[key][0]
+    for k, recs in rows.items():
+        r = recs[0]
+        same = r.get("sessions", 1) == a.get("sessions", 1) and r.get("cold") == a.get("cold")
+        if k.startswith("specsplit/cloud-only/") and same:
+            return k
+    return None
+
+
+def llama_peer(key: str, rows: dict) -> str | None:
+    """The llama.cpp row on the cloud's core with as many requests at once as ``key``."""
+    n = rows[key][0].get("sessions", 1)
+    want = BASELINE + (f"/x{n}" if n > 1 else "")
+    return want if want in rows else None
+
+
+def weights(records: list[dict]) -> str:
+    """Which weights a llama.cpp row ran with (``bench.llama_cpp.DEFAULTS`` / ``FALLBACK`` /
+    ``ASKED``); "–" for other engines."""
+    return records[0].get("weights", "–")
 
 
 def acceptance(records: list[dict]) -> float | None:
@@ -48,8 +110,17 @@ def acceptance(records: list[dict]) -> float | None:
 
 
 def tok_s(records: list[dict]) -> float:
-    wall = sum(r["wall_s"] for r in records)
+    """New tokens over wall seconds; for concurrent requests, over their waves' walls."""
+    if any("wave" in r for r in records):
+        wall = sum({r["wave"]: r["wave_wall_s"] for r in records}.values())
+    else:
+        wall = sum(r["wall_s"] for r in records)
     return sum(r["new_tokens"] for r in records) / wall if wall else 0.0
+
+
+def per_request_tok_s(records: list[dict]) -> float:
+    """Each request's own rate, averaged: what one of N concurrent users sees."""
+    return sum(r["new_tokens"] / r["wall_s"] for r in records if r["wall_s"]) / len(records)
 
 
 def prompt_and_decode(records: list[dict]) -> tuple[float | None, float | None]:
@@ -101,16 +172,18 @@ def agreement(records: list[dict], reference: list[dict]) -> str:
     return text
 
 
+def _ratio(rows: dict, key: str, peer: str | None) -> float | None:
+    base = tok_s(rows[peer]) if peer else 0.0
+    return tok_s(rows[key]) / base if base else None
+
+
 def summary(rows: dict[str, list[dict]]) -> list[dict]:
-    """The table's rows in the report's order, the speculative row at its best draft length."""
-    best = best_draft(rows)
-    order = [k for k in LABELS if k != "llama.cpp/speculative"]
-    order.insert(2, best)
-    base = tok_s(rows[BASELINE]) if BASELINE in rows else None
+    """The one-request-at-a-time table's rows in the report's order, the speculative row at
+    its best draft length."""
+    order = [best_draft(rows) if k == "llama.cpp/speculative" else k for k in SINGLE_ORDER]
     out = []
     for key in (k for k in order if k in rows):
         recs = rows[key]
-        rate = tok_s(recs)
         by_class = {c: [r for r in recs if r["class"] == c] for c in ("code", "prose")}
         prompt_ms, decode = prompt_and_decode(recs)
         out.append(
@@ -118,8 +191,10 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
                 "key": key,
                 "setup": label(key),
                 "cores": ",".join(map(str, recs[0]["cores"])),
-                "tok_s": rate,
-                "vs_base": rate / base if base else None,
+                "weights": weights(recs),
+                "tok_s": tok_s(recs),
+                "vs_llama": _ratio(rows, key, llama_peer(key, rows)),
+                "vs_cloud_only": _ratio(rows, key, cloud_only_peer(key, rows)),
                 "code": tok_s(by_class["code"]) if by_class["code"] else None,
                 "prose": tok_s(by_class["prose"]) if by_class["prose"] else None,
                 "tokens": sum(r["new_tokens"] for r in recs),
@@ -132,24 +207,51 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
+def concurrent_summary(rows: dict[str, list[dict]]) -> list[dict]:
+    """The concurrent table's rows: llama.cpp's slots first, then specsplit's sessions."""
+    keys = sorted((k for k in rows if is_concurrent(k)), key=lambda k: (k[0] != "l", k))
+    return [
+        {
+            "key": k,
+            "setup": label(k),
+            "cores": ",".join(map(str, rows[k][0]["cores"])),
+            "weights": weights(rows[k]),
+            "tok_s": tok_s(rows[k]),
+            "vs_llama": _ratio(rows, k, llama_peer(k, rows)),
+            "vs_cloud_only": _ratio(rows, k, cloud_only_peer(k, rows)),
+            "per_request": per_request_tok_s(rows[k]),
+            "tokens": sum(r["new_tokens"] for r in rows[k]),
+            "acceptance": acceptance(rows[k]),
+            "same": agreement(rows[k], rows.get(REFERENCE, [])),
+        }
+        for k in keys
+    ]
+
+
 def _num(x: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def _table(head: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(out + ["| " + " | ".join(cells) + " |" for cells in lines])
+
+
 def markdown_table(summ: list[dict]) -> str:
     head = (
-        "| # | setup | cores | tok/s | × llama.cpp 2 threads | code tok/s | prose tok/s "
-        "| prompt ms/token | decode tok/s | new tokens | acceptance "
-        "| greedy output = specsplit cloud-only |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    for i, s in enumerate(summ, 1):
-        cells = (
+        "#", "setup", "cores", "llama.cpp ran", "tok/s", "× llama.cpp on the cloud's core",
+        "× specsplit cloud-only", "code tok/s", "prose tok/s", "prompt ms/token",
+        "decode tok/s", "new tokens", "acceptance", "greedy output = specsplit cloud-only",
+    )  # fmt: skip
+    lines = [
+        (
             str(i),
             s["setup"],
             s["cores"],
+            s["weights"],
             f"**{s['tok_s']:.2f}**",
-            _num(s["vs_base"], "{:.2f}×"),
+            _num(s["vs_llama"], "{:.2f}×"),
+            _num(s["vs_cloud_only"], "{:.2f}×"),
             _num(s["code"]),
             _num(s["prose"]),
             _num(s["prompt_ms"], "{:.0f}"),
@@ -158,8 +260,42 @@ def markdown_table(summ: list[dict]) -> str:
             _num(s["acceptance"]),
             s["same"],
         )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for i, s in enumerate(summ, 1)
+    ]
+    return _table(head, lines)
+
+
+def concurrent_table(summ: list[dict]) -> str:
+    head = (
+        "#", "setup", "cores", "llama.cpp ran", "aggregate tok/s", "× llama.cpp, as many slots",
+        "× specsplit cloud-only", "tok/s per request", "new tokens", "acceptance",
+        "greedy output = specsplit cloud-only",
+    )  # fmt: skip
+    lines = [
+        (
+            str(i),
+            s["setup"],
+            s["cores"],
+            s["weights"],
+            f"**{s['tok_s']:.2f}**",
+            _num(s["vs_llama"], "{:.2f}×"),
+            _num(s["vs_cloud_only"], "{:.2f}×"),
+            _num(s["per_request"]),
+            str(s["tokens"]),
+            _num(s["acceptance"]),
+            s["same"],
+        )
+        for i, s in enumerate(summ, 1)
+    ]
+    return _table(head, lines)
+
+
+def cpu_line(meta: dict) -> str:
+    """The CPU a table was measured on, and whether it has the SIMD paths that matter."""
+    have = set(meta.get("cpu_flags", ()))
+    amx = any(f.startswith("amx") for f in have)
+    marks = [f"{f} {'yes' if f in have else 'no'}" for f in ("avx2", "avx512_vnni")]
+    return f"CPU: **{meta['cpu']}** ({', '.join(marks)}, amx {'yes' if amx else 'no'})"
 
 
 def draft_table(rows: dict[str, list[dict]]) -> str:
@@ -167,10 +303,14 @@ def draft_table(rows: dict[str, list[dict]]) -> str:
         (k for k in rows if k.startswith("llama.cpp/speculative/")),
         key=lambda k: int(k.rsplit("/n", 1)[1]),
     )
+    if not spec:
+        return "(no speculative row ran)"
     lines = ["| draft max | tok/s | acceptance |", "|---|---|---|"]
     for k in spec:
         n = k.rsplit("/n", 1)[1]
-        lines.append(f"| {n} | {tok_s(rows[k]):.2f} | {_num(acceptance(rows[k]))} |")
+        rate = acceptance(rows[k])  # None: llama.cpp's timings counted no draft token
+        shown = "none drafted" if rate is None else f"{rate:.2f}"
+        lines.append(f"| {n} | {tok_s(rows[k]):.2f} | {shown} |")
     return "\n".join(lines)
 
 
@@ -185,6 +325,18 @@ def _versions() -> dict:
 def _git(*args: str) -> str:
     done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent)
     return done.stdout.strip()
+
+
+def lscpu_model() -> str:
+    """lscpu's "Model name" (``bench.report.cpu_model``'s /proc/cpuinfo reading without it)."""
+    try:
+        done = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return cpu_model()
+    for line in done.stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return cpu_model()
 
 
 def cpu_flags() -> list[str]:
@@ -202,8 +354,8 @@ def run_meta(plan, rows, models: dict, setup) -> dict:
     it starts."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
+        "cpu": lscpu_model(),
+        "cpu_flags": cpu_flags(),  # of SIMD: the ones that decide the kernels' paths
         "cores": len(setup.edge_cores | setup.cloud_cores),
         "commit": _git("describe", "--always", "--dirty", "--abbrev=12"),
         "versions": _versions(),
@@ -220,26 +372,54 @@ def commands(meta: dict) -> str:
     """Each row's command line, cache paths shortened to $SPECSPLIT_CACHE."""
     cache = str(llama_cpp.server_path().parents[3])
     lines = []
+    if "specsplit_cloud" in meta:
+        lines.append("# specsplit's cloud, for every specsplit row (its gateway on a free port)")
+        lines.append(" ".join(map(str, meta["specsplit_cloud"])).replace(cache, "$CACHE"))
     for key, row in meta["rows"].items():
         cmd = " ".join(map(str, row.get("command", ["(not run)"]))).replace(cache, "$CACHE")
         cmd = cmd.replace(sys.executable, "python")
+        ran = f", {row['weights']}" if "weights" in row else ""
         lines.append(
-            f"# {key} (cores {row['cores']})"
+            f"# {key} (cores {row['cores']}{ran})"
             + (f"  FAILED: {row['error']}" if "error" in row else "")
         )
-        lines.append(cmd)
+        lines.append(cmd.replace(str(Path(sys.executable).parent) + "/", ""))
     return "\n".join(lines)
+
+
+# (row, the row it is measured against, the ratio wanted): ours against what a user would run on
+# the cloud's core instead, and the split against our own cloud-only with the same clients
+TARGETS = (
+    ("specsplit/cloud-only/t1", "llama.cpp/target/t1", 1.0),
+    ("specsplit/split/t2", "llama.cpp/target/t1", 1.5),
+    ("specsplit/split/t2/cold", "llama.cpp/target/t1", 1.5),
+    ("specsplit/split/t2", "specsplit/cloud-only/t1", 1.0),
+    ("specsplit/split/t2/cold", "specsplit/cloud-only/t1/cold", 1.0),
+    ("specsplit/cloud-only/t1/x{n}", "llama.cpp/target/t1/x{n}", 2.0),
+    ("specsplit/split/t2/x{n}", "llama.cpp/target/t1/x{n}", 3.0),
+)
+
+
+def targets_table(rows: dict[str, list[dict]], sessions: int) -> str:
+    """Each comparison of ``TARGETS`` whose two rows ran: the ratio, the target, met or not."""
+    lines = []
+    for ours, theirs, want in TARGETS:
+        ours, theirs = ours.format(n=sessions), theirs.format(n=sessions)
+        ratio = _ratio(rows, ours, theirs) if ours in rows and theirs in rows else None
+        if ratio is not None:
+            met = "yes" if ratio >= want else "**no**"
+            lines.append((label(ours), label(theirs), f"{ratio:.2f}×", f"≥ {want:.1f}×", met))
+    head = ("row", "against", "ratio", "target", "met")
+    return _table(head, lines) if lines else "(neither side of any comparison ran)"
 
 
 def render(records: list[dict], meta: dict) -> str:
     rows = by_row(records)
     plan, best = meta["plan"], best_draft(rows)
-    repack = (
-        f"with `--no-repack` ({meta['no_repack']})"
-        if meta.get("no_repack")
-        else "with llama.cpp's default repacked weights"
-    )
     minutes = meta.get("wall_s", 0) / 60
+    cpu = cpu_line(meta)
+    sessions = plan.get("sessions", 4)
+    replay, k = meta.get("replay_check"), meta.get("concurrent_k", "?")
     return f"""# specsplit next to its peers, one CPU
 
 `make bench-peers` (`bench/peers.py`), {meta["date"]}, commit `{meta["commit"]}`:
@@ -257,12 +437,41 @@ server gets one untimed warm-up first. The rows run one after another, not inter
 the tokens after the first over the time after it (llama.cpp's own timings; specsplit's time to
 first token at the client; transformers reports neither).
 
+llama.cpp runs at its defaults (weights repacked for the CPU at load); a row whose server
+crashed at them (exited, never healthy, or failed a request) was rerun with `--no-repack`, and
+"llama.cpp ran" says which. A warm specsplit client is one client kept across the prompts after
+a warm-up; a cold one is a new `specsplit-edge generate` process per prompt with default flags
+(its own tok/s, request to last token; the process's wall is in the raw records).
+
+## One request at a time
+
+{cpu}
+
 {markdown_table(summary(rows))}
 
 - llama.cpp speculative is shown at its best draft length ({label(best) if best else "none ran"}),
-  of these ({repack}):
+  of these:
 
 {draft_table(rows)}
+
+## {sessions} concurrent requests on the cloud's one core
+
+{cpu}
+
+{concurrent_table(concurrent_summary(rows))}
+
+- Requests go in waves of {sessions} sent at once (prompts cycled to fill a wave); aggregate
+  tok/s is every wave's new tokens over the waves' walls, first send to last token.
+- specsplit's concurrent sessions use `bench.load`'s generation config (lock-step, k fixed at
+  the edge's {k}), one client each; the split's drafts are the real draft's blocks recorded once
+  and replayed (`bench.replay`), so the edge's one core is never what limits them. Replayed vs
+  live session: {json.dumps(replay) if replay else "not checked"}.
+
+## specsplit against the alternatives
+
+{cpu}
+
+{targets_table(rows, sessions)}
 
 - Precision differs by design: llama.cpp computes with the Q4_K_M blocks natively; transformers
   runs the dequantised weights in float32; specsplit runs the dequantised weights at the
