@@ -32,7 +32,7 @@ rows of a ``cpu_kernels.QuantizedRows``.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -226,6 +226,8 @@ class KQuantWeights(KernelWeights):
     reads them, never ``cpu_kernels.gemm``."""
 
     fmt: str = ""
+    # the C struct pointing into ``tensors`` (which hold its memory), made once by ``pack``
+    c_weights: object = field(default=None, compare=False, repr=False)
 
 
 def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -305,7 +307,18 @@ def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KQuantWei
     else:
         raise ValueError(f"unknown kernel backend {backend!r}; one of {kernels.BACKENDS}")
     tensors = tuple(t.contiguous() for t in packed)
-    return KQuantWeights(backend, _LEVEL_BITS[fmt], n, k, tensors, fmt)
+    return KQuantWeights(backend, _LEVEL_BITS[fmt], n, k, tensors, fmt, _c_weights(fmt, n, tensors))
+
+
+def _c_weights(fmt: str, n: int, tensors: tuple[torch.Tensor, ...]) -> _Weights:
+    ql, *rest = tensors
+    qh = rest.pop(0) if fmt != "q4_k" else None
+    sc, d, *offsets = rest
+    weights = _Weights(_CODE[fmt], n, ql.data_ptr(), None if qh is None else qh.data_ptr())
+    weights.sc, weights.d = sc.data_ptr(), d.data_ptr()
+    if offsets:
+        weights.mn, weights.dm = offsets[0].data_ptr(), offsets[1].data_ptr()
+    return weights
 
 
 # ---- the matmul -------------------------------------------------------------------------------
@@ -347,15 +360,7 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     if fmt == "q6_k" and x.rows * x.k // 16 > LOCAL_SUMS:  # else the kernel's stack holds them
         scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
         rows.xsum16 = scratch.data_ptr()
-    ql, *rest = w.tensors
-    qh = rest.pop(0) if fmt != "q4_k" else None
-    sc, d, *offsets = rest
-    mn, dm = offsets if offsets else (None, None)
-    weights = _Weights(_CODE[fmt], w.n, ql.data_ptr(), None if qh is None else qh.data_ptr())
-    weights.sc = sc.data_ptr()
-    weights.d = d.data_ptr()
-    if mn is not None:
-        weights.mn, weights.dm = mn.data_ptr(), dm.data_ptr()
+    weights = w.c_weights or _c_weights(fmt, w.n, w.tensors)
     lib = kernels.library()
     fn = lib.specsplit_kq_gemm if w.backend == "avx2" else lib.specsplit_kq_gemm_vnni
     fn.restype = ctypes.c_int
