@@ -146,9 +146,37 @@ def from_gguf(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, ...]:
     )
 
 
+def check(fmt: str, tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """(N, K) of natural-layout tensors of ``fmt`` (a cache may hand in anything); raises
+    ValueError naming the first tensor of the wrong dtype or shape."""
+    _check_format(fmt)
+    if not tensors or tensors[0].dim() != 2:
+        raise ValueError(f"{fmt}: the first tensor must be the [N, K/2] low-bit plane")
+    n, k = tensors[0].shape[0], 2 * tensors[0].shape[1]
+    if k % SUPER:
+        raise ValueError(f"{fmt} rows of {k} values: not whole super-blocks of {SUPER}")
+    u8, i8, f16 = torch.uint8, torch.int8, torch.float16
+    scales = [("sc", u8, GROUP), ("d", f16, SUPER), ("mn", u8, GROUP), ("dm", f16, SUPER)]
+    want = {
+        "q4_k": [("packed", u8, 2), *scales],
+        "q5_k": [("packed", u8, 2), ("high", u8, 8), *scales],
+        "q6_k": [("packed", u8, 2), ("high", u8, 4), ("sc", i8, 16), ("d", f16, SUPER)],
+    }[fmt]
+    if len(tensors) != len(want):
+        raise ValueError(
+            f"{fmt} takes {len(want)} tensors ({[w[0] for w in want]}), not {len(tensors)}"
+        )
+    for t, (name, dtype, per) in zip(tensors, want, strict=True):
+        if t.dtype != dtype or tuple(t.shape) != (n, k // per):
+            raise ValueError(
+                f"{fmt} {name}: {t.dtype} {tuple(t.shape)}, expected {dtype} {(n, k // per)}"
+            )
+    return n, k
+
+
 def levels(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Natural layout -> [N, K] unsigned levels q (uint8; Q6_K's before its - 32)."""
-    _check_format(fmt)
+    check(fmt, tensors)
     q = int4_levels(tensors[0])
     if fmt == "q5_k":
         q = q | (_unpack_bits(tensors[1], 1) << 4)
@@ -296,10 +324,8 @@ def _pack_vnni(fmt: str, tensors, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KQuantWeights:
     """Natural layout -> the layout of ``backend`` ("avx2" or "avx512vnni")."""
-    q = levels(fmt, tensors)
+    q = levels(fmt, tensors)  # checks the tensors
     n, k = q.shape
-    if k % SUPER:
-        raise ValueError(f"{fmt} rows of {k} values: not whole super-blocks of {SUPER}")
     if backend == "avx2":
         packed = _pack_avx2(fmt, tensors, q)
     elif backend == "avx512vnni":
