@@ -32,7 +32,7 @@ rows of a ``cpu_kernels.QuantizedRows``.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -146,9 +146,37 @@ def from_gguf(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, ...]:
     )
 
 
+def check(fmt: str, tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """(N, K) of natural-layout tensors of ``fmt`` (a cache may hand in anything); raises
+    ValueError naming the first tensor of the wrong dtype or shape."""
+    _check_format(fmt)
+    if not tensors or tensors[0].dim() != 2:
+        raise ValueError(f"{fmt}: the first tensor must be the [N, K/2] low-bit plane")
+    n, k = tensors[0].shape[0], 2 * tensors[0].shape[1]
+    if k % SUPER:
+        raise ValueError(f"{fmt} rows of {k} values: not whole super-blocks of {SUPER}")
+    u8, i8, f16 = torch.uint8, torch.int8, torch.float16
+    scales = [("sc", u8, GROUP), ("d", f16, SUPER), ("mn", u8, GROUP), ("dm", f16, SUPER)]
+    want = {
+        "q4_k": [("packed", u8, 2), *scales],
+        "q5_k": [("packed", u8, 2), ("high", u8, 8), *scales],
+        "q6_k": [("packed", u8, 2), ("high", u8, 4), ("sc", i8, 16), ("d", f16, SUPER)],
+    }[fmt]
+    if len(tensors) != len(want):
+        raise ValueError(
+            f"{fmt} takes {len(want)} tensors ({[w[0] for w in want]}), not {len(tensors)}"
+        )
+    for t, (name, dtype, per) in zip(tensors, want, strict=True):
+        if t.dtype != dtype or tuple(t.shape) != (n, k // per):
+            raise ValueError(
+                f"{fmt} {name}: {t.dtype} {tuple(t.shape)}, expected {dtype} {(n, k // per)}"
+            )
+    return n, k
+
+
 def levels(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Natural layout -> [N, K] unsigned levels q (uint8; Q6_K's before its - 32)."""
-    _check_format(fmt)
+    check(fmt, tensors)
     q = int4_levels(tensors[0])
     if fmt == "q5_k":
         q = q | (_unpack_bits(tensors[1], 1) << 4)
@@ -225,6 +253,14 @@ class KQuantWeights(KernelWeights):
     """``KernelWeights`` of a K-quant format (``format``; ``bits`` is its level width): only
     ``gemm`` here reads them, never ``cpu_kernels.gemm``."""
 
+    # the C struct pointing into ``tensors`` (which hold its memory): made from them on every
+    # construction, ``dataclasses.replace`` included (the target moves packed weights into
+    # huge pages that way), so it never points at tensors that were let go
+    c_weights: object = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "c_weights", _c_weights(self.format, self.n, self.tensors))
+
 
 def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
     """[N, ...] -> [N / 16, 16, ...], N padded to whole blocks of 16 with zeros."""
@@ -292,10 +328,8 @@ def _pack_vnni(fmt: str, tensors, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KQuantWeights:
     """Natural layout -> the layout of ``backend`` ("avx2" or "avx512vnni")."""
-    q = levels(fmt, tensors)
+    q = levels(fmt, tensors)  # checks the tensors
     n, k = q.shape
-    if k % SUPER:
-        raise ValueError(f"{fmt} rows of {k} values: not whole super-blocks of {SUPER}")
     if backend == "avx2":
         packed = _pack_avx2(fmt, tensors, q)
     elif backend == "avx512vnni":
@@ -304,6 +338,17 @@ def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KQuantWei
         raise ValueError(f"unknown kernel backend {backend!r}; one of {kernels.BACKENDS}")
     tensors = tuple(t.contiguous() for t in packed)
     return KQuantWeights(backend, _LEVEL_BITS[fmt], n, k, tensors, fmt)
+
+
+def _c_weights(fmt: str, n: int, tensors: tuple[torch.Tensor, ...]) -> _Weights:
+    ql, *rest = tensors
+    qh = rest.pop(0) if fmt != "q4_k" else None
+    sc, d, *offsets = rest
+    weights = _Weights(_CODE[fmt], n, ql.data_ptr(), None if qh is None else qh.data_ptr())
+    weights.sc, weights.d = sc.data_ptr(), d.data_ptr()
+    if offsets:
+        weights.mn, weights.dm = offsets[0].data_ptr(), offsets[1].data_ptr()
+    return weights
 
 
 # ---- the matmul -------------------------------------------------------------------------------
@@ -345,15 +390,7 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     if fmt == "q6_k" and x.rows * x.k // 16 > LOCAL_SUMS:  # else the kernel's stack holds them
         scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
         rows.xsum16 = scratch.data_ptr()
-    ql, *rest = w.tensors
-    qh = rest.pop(0) if fmt != "q4_k" else None
-    sc, d, *offsets = rest
-    mn, dm = offsets if offsets else (None, None)
-    weights = _Weights(_CODE[fmt], w.n, ql.data_ptr(), None if qh is None else qh.data_ptr())
-    weights.sc = sc.data_ptr()
-    weights.d = d.data_ptr()
-    if mn is not None:
-        weights.mn, weights.dm = mn.data_ptr(), dm.data_ptr()
+    weights = w.c_weights
     lib = kernels.library()
     fn = lib.specsplit_kq_gemm if w.backend == "avx2" else lib.specsplit_kq_gemm_vnni
     fn.restype = ctypes.c_int

@@ -116,6 +116,20 @@ def test_a_kernel_reads_the_natural_layouts_bytes(fmt, backend):
     assert kquants.pack(fmt, backend, tensors).nbytes == kquants.nbytes(tensors)
 
 
+def test_natural_tensors_of_the_wrong_dtype_or_shape_are_refused():
+    tensors = kquants.from_gguf("q6_k", gguf_blocks("q6_k", 4, 512))
+    assert kquants.check("q6_k", tensors) == (4, 512)
+    packed, high, sc, d = tensors
+    with pytest.raises(ValueError, match="q6_k sc: torch.uint8"):
+        kquants.check("q6_k", (packed, high, sc.view(torch.uint8), d))
+    with pytest.raises(ValueError, match=r"q6_k d: .* \(4, 1\), expected .* \(4, 2\)"):
+        kquants.pack("q6_k", "avx2", (packed, high, sc, d[:, :1]))
+    with pytest.raises(ValueError, match="q4_k takes 5 tensors"):
+        kquants.dequantize("q4_k", tensors)
+    with pytest.raises(ValueError, match="not whole super-blocks"):
+        kquants.check("q6_k", (packed[:, :64], high, sc, d))
+
+
 @KERNELS
 def test_q4_k_is_the_int4_product_with_narrower_containers():
     tensors = kquants.from_gguf("q4_k", gguf_blocks("q4_k", n=40, k=512, seed=2))
@@ -243,3 +257,22 @@ def test_weights_of_another_format_or_kernel_are_refused():
             kquants.gemm("q6_k", kernels.QuantizedRows(torch.randn(1, 256), kernel="avx512vnni"), w)
     with pytest.raises(ValueError, match="unknown kernel backend"):
         kquants.pack("q6_k", "neon", tensors)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
+def test_weights_moved_by_replace_point_the_kernel_at_their_new_tensors():
+    """The target moves packed weights into huge pages with ``dataclasses.replace``: the C
+    struct must follow the new tensors, never the ones let go."""
+    import dataclasses
+
+    from specsplit.cloud.engine import formats
+    from specsplit.cloud.engine.gguf_weights import synthetic
+
+    backend = kernels.backend()
+    w = formats.pack("q6_k", backend, synthetic("q6_k", 48, 512))
+    x = kernels.QuantizedRows(torch.randn(3, 512), kernel=backend)
+    want = formats.gemm(x, w)
+    moved = dataclasses.replace(w, tensors=tuple(t.clone() for t in w.tensors))
+    del w
+    assert moved.c_weights.ql == moved.tensors[0].data_ptr()
+    assert torch.equal(formats.gemm(x, moved), want)
