@@ -233,7 +233,7 @@ def test_report_renders_from_raw_and_meta(tmp_path: Path):
     text = write_report(raw, meta, tmp_path / "peers.md").read_text()
     assert "| draft max | tok/s | acceptance |" in text
     assert "| 16 | 17.07 |" in text  # 128 / 7.5 s
-    assert "AMD EPYC" in text and "`abc123`" in text
+    assert "Measured 2026-01-01 00:00 UTC at commit `abc123` on AMD EPYC." in text
     # the CPU heads each of the three tables
     assert text.count("CPU: **AMD EPYC** (avx2 yes, avx512_vnni yes, amx no)") == 3
     assert "## 4 concurrent requests on the cloud's one core" in text
