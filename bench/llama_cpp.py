@@ -94,12 +94,40 @@ def build_commands(src: Path, build: Path, jobs: int) -> list[list[str]]:
     ]
 
 
+def missing_build_tools(version: str = VERSION) -> str | None:
+    """None when ``ensure_llama_server`` can do its work (the binary is cached, or cmake and a
+    C++ compiler are on PATH); else one line naming what to install."""
+    if server_path(version).is_file():
+        return None
+    cxx = os.environ.get("CXX", "").split()[:1]  # CXX may be "ccache g++": its first word runs
+    packages = []
+    if shutil.which("cmake") is None:
+        packages.append("cmake")
+    if not any(shutil.which(c) for c in [*cxx, "c++", "g++", "clang++"]):
+        packages.append("g++")
+    if not packages:
+        return None
+    what = " and ".join("a C++ compiler" if p == "g++" else p for p in packages)
+    return (
+        f"building llama.cpp's llama-server needs {what}, not found on PATH: install "
+        f"{'them' if len(packages) > 1 else 'it'} (Debian/Ubuntu: apt-get install "
+        f"{' '.join(packages)})"
+    )
+
+
+class BuildToolsMissing(RuntimeError):
+    """cmake or a C++ compiler is missing (``missing_build_tools``'s line)."""
+
+
 def ensure_llama_server(version: str = VERSION, jobs: int | None = None) -> Path:
     """The cached llama-server of ``version``, downloaded and built on first use (cmake's own
-    progress shown). ``jobs`` defaults to the cores this process may run on."""
+    progress shown). ``jobs`` defaults to the cores this process may run on. Raises
+    ``BuildToolsMissing`` before any download where it cannot be built."""
     binary = server_path(version)
     if binary.is_file():
         return binary
+    if missing := missing_build_tools(version):
+        raise BuildToolsMissing(missing)
     jobs = jobs or len(os.sched_getaffinity(0))
     root = binary.parent.parent
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -301,6 +329,9 @@ def main() -> int:
     p.add_argument("--jobs", type=int, help="parallel compile jobs (default: usable cores)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if missing := missing_build_tools():
+        print(f"python -m bench.llama_cpp: {missing}", file=sys.stderr)
+        return 1
     print(ensure_llama_server(jobs=args.jobs))
     return 0
 

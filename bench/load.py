@@ -31,7 +31,7 @@ from rich.console import Console
 
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.replay import LoggingDrafter, ReplayDrafter
-from bench.report import cpu_model
+from bench.stamp import stamp
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
@@ -242,14 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         for q in code_prompts(plan.prompts)
     ]
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **stamp(),
         "target": str(target_dir),
         "draft": str(draft_dir),
         "edge_cores": sorted(edge_cores),
         "cloud_cores": sorted(cloud_cores),
         "plan": asdict(PLANS["quick" if args.quick else "full"]),
         "k": K,
-        "cpu": cpu_model(),
     }
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="specsplit-load-") as logs:

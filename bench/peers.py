@@ -347,11 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     name = "peers-quick" if args.quick else "peers"
     args.out.mkdir(parents=True, exist_ok=True)
     raw, meta_path = args.out / f"{name}-raw.jsonl", args.out / f"{name}-meta.json"
-    models = prepare_models()
     edge_cores, cloud_cores = split_cores()
     rows = make_rows(plan, tuple(sorted(cloud_cores)), tuple(sorted(os.sched_getaffinity(0))))
     rows = [r for r in rows if r.engine in args.engines]
     llama = any(r.engine == "llama.cpp" for r in rows)
+    if llama and (missing := llama_cpp.missing_build_tools()):  # before any model is fetched
+        print(f"make bench-peers: {missing}", file=sys.stderr)
+        return 1
+    models = prepare_models()
     binary = llama_cpp.ensure_llama_server() if llama else None
     t0 = time.monotonic()
     logs = Path(tempfile.mkdtemp(prefix="specsplit-peers-"))

@@ -15,14 +15,13 @@ import json
 import platform
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
 from bench import llama_cpp
-from bench.report import cpu_model
+from bench.stamp import stamp, stamp_line
 
 REFERENCE = "specsplit/cloud-only/t1"  # whose greedy output the others are compared with
 BASELINE = "llama.cpp/target/t1"  # what a user would run on the cloud's core instead
@@ -327,18 +326,6 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
-def lscpu_model() -> str:
-    """lscpu's "Model name" (``bench.report.cpu_model``'s /proc/cpuinfo reading without it)."""
-    try:
-        done = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return cpu_model()
-    for line in done.stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return cpu_model()
-
-
 def cpu_flags() -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -353,11 +340,11 @@ def run_meta(plan, rows, models: dict, setup) -> dict:
     """Conditions of the run: machine, code, versions, plan; each row's command is added as
     it starts."""
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpu": lscpu_model(),
+        **stamp(),
         "cpu_flags": cpu_flags(),  # of SIMD: the ones that decide the kernels' paths
         "cores": len(setup.edge_cores | setup.cloud_cores),
-        "commit": _git("describe", "--always", "--dirty", "--abbrev=12"),
+        # The stamp's commit, and whether uncommitted edits ran (-dirty)
+        "tree": _git("describe", "--always", "--dirty", "--abbrev=12"),
         "versions": _versions(),
         "llama_cpp_build": llama_cpp.build_facts(),
         "plan": asdict(plan),
@@ -422,9 +409,10 @@ def render(records: list[dict], meta: dict) -> str:
     replay, k = meta.get("replay_check"), meta.get("concurrent_k", "?")
     return f"""# specsplit next to its peers, one CPU
 
-`make bench-peers` (`bench/peers.py`), {meta["date"]}, commit `{meta["commit"]}`:
-{meta["cpu"]}, {meta["cores"]} cores ({", ".join(meta["cpu_flags"])}), {minutes:.0f} min for the
-whole run. Every generation: `peers-raw.jsonl`; conditions, versions, commands: `peers-meta.json`.
+{stamp_line(meta)}
+`make bench-peers` (`bench/peers.py`): {meta["cores"]} cores ({", ".join(meta["cpu_flags"])}),
+{minutes:.0f} min for the whole run. Every generation: `peers-raw.jsonl`; conditions, versions,
+commands: `peers-meta.json`.
 
 The default pair, Qwen2.5-Coder-1.5B-Instruct (target) and 0.5B-Instruct (draft), from the same
 Q4_K_M GGUF files for every row. Prompts {", ".join(plan["prompt_ids"])} of `bench/prompts.jsonl`,

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.proxy import DelayProxy
+from bench.stamp import stamp
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.mode_switch import Link
@@ -207,7 +208,7 @@ def run_meta(
 ) -> dict:
     """What the report reads besides the raw records: the run's conditions and plan."""
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **stamp(),
         "target": str(target_dir),
         "draft": str(draft_dir),
         "draft_precision": precision,

@@ -26,6 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.rss import tree_rss
+from bench.stamp import stamp, stamp_line
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
@@ -151,6 +152,8 @@ def write_report(out: Path, args, tally: Tally, rows, grown, elapsed_s: float, f
     done = sum(tally.kinds.values())
     lines = [
         "# Soak: concurrent sessions against a real `specsplit-cloud serve`",
+        "",
+        stamp_line(stamp()),
         "",
         f"`{' '.join(args.argv)}`: {args.sessions} closed-loop workers for "
         f"{elapsed_s / 60:.1f} min (tiny random models, {MAX_NEW} new tokens a generation, "

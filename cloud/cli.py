@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import faulthandler
 import ipaddress
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -53,6 +55,74 @@ def _core_sets(n: int) -> list[set[int] | None]:
         return [None] * n
     per = len(cores) // n
     return [set(cores[i * per : (i + 1) * per]) for i in range(n)]
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on ``port``, from /proc/net/tcp{,6} (Linux; empty elsewhere)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                # local_address is HEXADDR:HEXPORT; state 0A is LISTEN; field 9 is the inode
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    return inodes
+
+
+def _port_holder(port: int) -> str | None:
+    """``pid N (command)`` of a process listening on ``port``, where /proc lets us see it."""
+    inodes = {f"socket:[{i}]" for i in _listening_inodes(port)}
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone, or another user's: not cheaply known
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+                command = " ".join(argv.decode(errors="replace").split())  # one line
+                command = command if len(command) <= 80 else command[:79] + "…"
+                return f"pid {proc.name} ({command or (proc / 'comm').read_text().strip()})"
+    return None
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether another socket listens on ``host:port``, tried with a bind as the gateway's
+    (SO_REUSEADDR, like gRPC's and http.server's listeners: a stopped serve's TIME_WAIT is no
+    conflict). Only EADDRINUSE counts: other bind errors are the server's own to report."""
+    if port == 0:
+        return False
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def _port_conflict(args: argparse.Namespace) -> str | None:
+    """The message for the first port serve would bind that is taken, or None: checked before
+    the target loads, which takes minutes on a first serve (issue 41)."""
+    ports = [(args.host, args.port, "--port")]
+    if args.metrics_port is not None:
+        ports.append((args.metrics_host or "127.0.0.1", args.metrics_port, "--metrics-port"))
+    for host, port, flag in ports:
+        if _port_in_use(host, port):
+            holder = _port_holder(port)
+            by = f" by {holder}" if holder else ""
+            return (
+                f"port {port} on {host} is in use{by}: stop that process or choose another "
+                f"{flag} (0 = any free port)"
+            )
+    return None
 
 
 def _security(args: argparse.Namespace) -> Security:
@@ -203,8 +273,14 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError("--failover-wait must be > 0")
     if args.triton_url:
         parse_urls(args.triton_url)
+    if not 0 <= args.port < 65536:
+        raise ValueError("--port must be in [0, 65535]")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError("--metrics-port must be in [0, 65535]")
+    conflict = _port_conflict(args)
+    if conflict is not None:
+        print(f"specsplit-cloud: {conflict}", file=sys.stderr)
+        return 2
     target = resolve_model(args.target)  # a default name is fetched and converted on first use
     identity = ModelIdentity.from_dir(target, name=args.target_name)
     admission = _admission(args, target)

@@ -19,7 +19,13 @@ from specsplit.edge.client import (
     SplitClient,
     check_token_transport,
 )
-from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
+from specsplit.edge.models import (
+    DEFAULT_DRAFT,
+    DEFAULT_PRECISION,
+    PRECISIONS,
+    cached_tokenizer_dir,
+    ensure_draft_onnx,
+)
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
@@ -73,10 +79,17 @@ def _config(args) -> GenerationConfig:
 def _draft_dir(args) -> Path | None:
     """The ONNX draft: needed to draft, and for its tokenizer when the prompt is text.
 
-    Cloud-only with token ids and no --draft needs none (ids in, ids out).
+    Cloud-only drafts nothing: with token ids and no --draft it needs no draft (ids in, ids out);
+    with a text prompt, the tokenizer of a draft already on disk (``cached_tokenizer_dir``: an
+    export or the converted Hugging Face directory), fetched and exported only where none is.
     """
-    if args.mode == "cloud-only" and args.prompt is None and not args.draft:
-        return None
+    if args.mode == "cloud-only":
+        if args.prompt is None and not args.draft:
+            return None
+        if args.prompt is not None:
+            found = cached_tokenizer_dir(args.draft or DEFAULT_DRAFT)
+            if found is not None:
+                return found
     return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
 
 

@@ -70,12 +70,13 @@ class GenerationConfig:
     # whatever the cloud's load and timing (the output's distribution is the target's either way).
     follow_hint: bool = True
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
-    # waiting and verifies whatever drafts arrived in time (DESIGN §7): never slower than
-    # cloud-only, whatever the RTT. "auto": lock-step with adaptive k, switching to cloud-led
-    # once its measurements say that is faster (edge/mode_switch.py: a round trip long next to
-    # the cloud's step, or a draft that predicts little); lock-step with a fixed k when a run
-    # must repeat exactly: follow_hint False, or a seed with temperature > 0 (a cloud-led or
-    # adaptive run's blocks depend on timing; greedy output never does).
+    # waiting and verifies whatever drafts arrived in time (DESIGN §7): about as fast as
+    # cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
+    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": lock-step with adaptive k, switching
+    # to cloud-led once its measurements say that is faster (edge/mode_switch.py: a round trip
+    # long next to the cloud's step, or a draft that predicts little); lock-step with a fixed k
+    # when a run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a
+    # cloud-led or adaptive run's blocks depend on timing; greedy output never does).
     session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
     verification: VerificationMode | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()

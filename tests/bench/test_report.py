@@ -73,6 +73,8 @@ def test_write_report_from_raw_alone(tmp_path):
         json.dumps(
             {
                 "date": "today",
+                "commit": "abc1234",
+                "cpu": "Some CPU",
                 "target": "/t",
                 "draft": "/d",
                 "draft_precision": "int8",
@@ -93,6 +95,7 @@ def test_write_report_from_raw_alone(tmp_path):
     assert "| lock-step | 4 | 5.00 | 2.00 |" in text  # 10 tokens / 2 s vs 10 / 4 s
     assert "met: split ≥ 1.5× cloud-only" in text
     assert (tmp_path / "img" / "b-tok-s-vs-rtt-t0.png").stat().st_size > 0
+    assert "Measured today at commit `abc1234` on Some CPU." in text  # the run's, not this one's
 
 
 def test_a_run_without_rtt_0_still_reports(tmp_path):
