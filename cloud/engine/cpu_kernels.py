@@ -109,6 +109,8 @@ _RETURNS = {
     "specsplit_has_avx2": _INT,
     "specsplit_has_avx512vnni": _INT,
     "specsplit_attention": _INT,
+    "specsplit_kq_gemm": _INT,  # -1: a q6_k call past its stack sums without a work buffer
+    "specsplit_kq_gemm_vnni": _INT,
 }
 
 

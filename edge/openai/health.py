@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from specsplit.edge.channel import open_channel
+from specsplit.edge.client import check_token_transport
 from specsplit.shared.protocol import SERVICE_NAME
 
 CHECK = "/grpc.health.v1.Health/Check"
@@ -62,8 +63,9 @@ def _decode_status(data: bytes) -> int:
 
 
 class HealthProbe:
-    """The cloud's health at ``address``, asked at most once per ``ttl_s``. ``token`` and
-    ``tls`` are SplitClient's keywords; the channel opens on the first check (in its loop)."""
+    """The cloud's health at ``address``, asked at most once per ``ttl_s``. ``token``,
+    ``insecure`` and ``tls`` are SplitClient's keywords; the channel opens on the first check
+    (in its loop)."""
 
     def __init__(
         self,
@@ -73,8 +75,12 @@ class HealthProbe:
         timeout_s: float = TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         token: str | None = None,
+        insecure: bool = False,
         **tls,
     ):
+        # SplitClient's own check (edge.client.check_token_transport) refuses a plaintext token
+        # before any generation; the probe sends the same token the same way
+        check_token_transport(address, token, any(tls.values()), insecure)
         self.address, self.ttl_s, self.timeout_s = address, ttl_s, timeout_s
         self._clock, self._tls = clock, tls
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
