@@ -183,6 +183,13 @@ class SplitClient:
                 f"prompt token id {max(prompt_ids)} outside the draft's vocabulary "
                 f"[0, {self.proposer.vocab_size})"
             )
+        limit = None if mode == CLOUD_ONLY else self.proposer.max_positions
+        if limit is not None and len(prompt_ids) >= limit:  # the draft must feed one more
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens: the draft runs at most {limit} positions "
+                f"(its export's max_positions), and a generation needs one past the prompt; "
+                f"shorten the prompt, or use mode {CLOUD_ONLY} (no draft)"
+            )
         stats = GenerationStats(mode=mode)
         if mode == "edge-only":
             return Generation(self._edge_only(list(prompt_ids), cfg, stats), stats)

@@ -36,7 +36,9 @@ class Drafter(Protocol):
     @property
     def cached(self) -> list[int]: ...
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...  # [len(tokens), V] logits
+    # Logits whose last row [-1] follows the last of ``tokens``: [1, V] or [len(tokens), V]
+    # (edge.onnx_drafter computes the last row only, unless asked for all).
+    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...
 
     def truncate(self, n: int) -> None: ...
 

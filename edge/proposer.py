@@ -28,6 +28,9 @@ class Proposer(Protocol):
     # (shared.tokenizer_fingerprint; None: not known) and the ids it may propose, [0, count).
     tokenizer_fingerprint: str | None = None
     token_count: int | None = None
+    # The longest context the draft runs (edge.onnx_drafter's max_positions; None: no limit
+    # known): a longer prompt is refused before its session starts (edge.client).
+    max_positions: int | None = None
 
     def propose(
         self, committed: Sequence[int], k: int, rule: DraftRule, stop: threading.Event | None = None
@@ -58,6 +61,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size = drafter.vocab_size
         self.tokenizer_fingerprint = getattr(drafter, "tokenizer_fingerprint", None)
         self.token_count = getattr(drafter, "token_count", None)
+        self.max_positions = getattr(drafter, "max_positions", None)
 
     def _model(self, stop: threading.Event | None) -> Drafter:
         return self.drafter if stop is None else Stoppable(self.drafter, stop)
