@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from specsplit.edge.client import MODES, GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.models import DEFAULT_DRAFT, DEFAULT_PRECISION, PRECISIONS, ensure_draft_onnx
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
@@ -154,6 +155,9 @@ async def _generate(args) -> int:
     server = None if args.mode == "edge-only" else args.server
     if server is not None:
         await _wait_for_cloud(args)
+    # What the last invocation learnt of this server's link (edge.link_memory): a second
+    # invocation starts as the first ended, cloud-led where the link is slow.
+    link = None if server is None else load_link(server)
     async with SplitClient(
         server,
         drafter,
@@ -162,6 +166,7 @@ async def _generate(args) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         token=args.token,
+        link=link,
     ) as client:
         gen = client.generate(prompt, config, mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
@@ -170,6 +175,8 @@ async def _generate(args) -> int:
                 continue
             sys.stdout.write(stream.push(chunk) if stream else "".join(f"{t} " for t in chunk))
             sys.stdout.flush()
+    if server is not None and client.link is not None:
+        save_link(server, client.link)
     s = gen.stats
     if args.json:
         out = {"text": codec.decode(gen.token_ids) if codec else None, "token_ids": gen.token_ids}
