@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from specsplit.edge.drafting import Block, Drafter, DraftRule, draft_block, draw_next, next_logits
 from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.sampling import SparseDist
@@ -136,3 +138,61 @@ def propose(source: Drafter | Proposer, committed: Sequence[int], k: int, *parts
 
 def guess_next(source: Drafter | Proposer, committed: Sequence[int], *parts) -> int:
     return as_proposer(source).guess_next(committed, DraftRule(*parts))
+
+
+class PromptLookupProposer(Proposer):
+    """Prompt lookup (n-gram) drafting beside a model's: where the committed sequence ends with
+    an n-gram (n in [MIN_NGRAM, MAX_NGRAM], the longest first) that occurred before in it, the
+    block is what followed its latest earlier occurrence (code edits and quotes repeat their
+    context); that costs no forward pass. A continuation shorter than k is completed by
+    ``model``; with no match, or when sampling (a lookup has no q to send), ``model`` drafts.
+
+    Lossless as any draft is: the cloud verifies whatever is proposed (greedy output equals the
+    target's). ``lookups`` counts the blocks and tokens that came from the lookup."""
+
+    def __init__(self, model: Proposer, min_ngram: int | None = None):
+        self.model = model
+        self.min_ngram = MIN_NGRAM if min_ngram is None else min_ngram
+        self.vocab_size = model.vocab_size
+        self.tokenizer_fingerprint = model.tokenizer_fingerprint
+        self.token_count = model.token_count
+        self.max_positions = model.max_positions
+        self.lookups = [0, 0]  # blocks, tokens proposed by lookup
+
+    def propose(self, committed, k, rule, stop=None) -> Block:
+        found = lookup(committed, k, self.min_ngram) if rule.sampling.greedy and k > 0 else []
+        if not found:
+            return self.model.propose(committed, k, rule, stop)
+        self.lookups[0] += 1
+        self.lookups[1] += len(found)
+        if len(found) == k:
+            return Block(found, None)
+        rest = self.model.propose([*committed, *found], k - len(found), rule, stop)
+        return Block(found + rest.tokens, None)
+
+    def guess_next(self, committed, rule, stop=None) -> int:
+        return self.next_token(committed, rule, stop)[0]
+
+    def next_token(self, committed, rule, stop=None) -> tuple[int, SparseDist | None]:
+        found = lookup(committed, 1, self.min_ngram) if rule.sampling.greedy else []
+        if found:
+            return found[0], None
+        return self.model.next_token(committed, rule, stop)
+
+
+MAX_NGRAM = 4  # the longest suffix looked up (longer matches predict better) ...
+MIN_NGRAM = 3  # ... down to this: shorter ones match by chance (a newline, a comma)
+
+
+def lookup(committed: Sequence[int], k: int, min_ngram: int = MIN_NGRAM) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    ``committed`` of MAX_NGRAM..min_ngram tokens; [] when none occurred."""
+    seq = np.asarray(committed, dtype=np.int64)
+    for n in range(min(MAX_NGRAM, len(seq) - 1), min_ngram - 1, -1):
+        suffix = seq[-n:]
+        # starts j < len - n of earlier windows equal to the suffix, the latest first
+        starts = np.flatnonzero(seq[: len(seq) - n] == suffix[0])[::-1]
+        for j in starts:
+            if np.array_equal(seq[j : j + n], suffix):
+                return [int(t) for t in seq[j + n : j + n + k]]
+    return []
