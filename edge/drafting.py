@@ -130,6 +130,20 @@ def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
     return drafter.forward(committed[n:])[-1]
 
 
+def greedy_after(drafter: Drafter, committed: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    """The draft's top token after ``committed + tokens[:i]`` for i = 0..len(tokens), from one
+    pass over what the cache lacks plus ``tokens`` (a drafter whose ``forward`` takes
+    ``all_logits``: edge.onnx_drafter). [len(tokens) + 1] token ids."""
+    cached = drafter.cached
+    n = 0
+    limit = min(len(cached), len(committed) - 1)  # the last token is always fed, for its logits
+    while n < limit and cached[n] == committed[n]:
+        n += 1
+    drafter.truncate(n)
+    logits = drafter.forward([*committed[n:], *tokens], all_logits=True)  # [fed, V]
+    return np.argmax(logits[len(committed) - n - 1 :], axis=-1)
+
+
 def draft_block(
     drafter: Drafter,
     committed: Sequence[int],

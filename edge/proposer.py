@@ -19,7 +19,15 @@ from typing import Protocol
 
 import numpy as np
 
-from specsplit.edge.drafting import Block, Drafter, DraftRule, draft_block, draw_next, next_logits
+from specsplit.edge.drafting import (
+    Block,
+    Drafter,
+    DraftRule,
+    draft_block,
+    draw_next,
+    greedy_after,
+    next_logits,
+)
 from specsplit.edge.worker import Stoppable, Worker
 from specsplit.shared.sampling import SparseDist
 
@@ -147,11 +155,19 @@ class PromptLookupProposer(Proposer):
     context); that costs no forward pass. A continuation shorter than k is completed by
     ``model``; with no match, or when sampling (a lookup has no q to send), ``model`` drafts.
 
-    Lossless as any draft is: the cloud verifies whatever is proposed (greedy output equals the
-    target's). ``lookups`` counts the blocks and tokens that came from the lookup."""
+    ``checked`` (``model`` a ``DraftModelProposer``): the draft model checks the lookup in one
+    pass over it (edge.drafting.greedy_after) and the block keeps it up to where the draft's own
+    top token differs, takes that token, and continues as the model would: the draft's greedy
+    block, so a lookup never proposes what the draft would not, for one pass instead of k.
 
-    def __init__(self, model: Proposer, min_ngram: int | None = None):
-        self.model = model
+    Lossless as any draft is: the cloud verifies whatever is proposed (greedy output equals the
+    target's). ``lookups``: blocks drafted with a lookup, and the tokens the lookup gave them
+    (checked: those the draft agreed with)."""
+
+    def __init__(self, model: Proposer, min_ngram: int | None = None, checked: bool = False):
+        if checked and not isinstance(model, DraftModelProposer):
+            raise ValueError("a checked prompt lookup needs a DraftModelProposer to check it")
+        self.model, self.checked = model, checked
         self.min_ngram = MIN_NGRAM if min_ngram is None else min_ngram
         self.vocab_size = model.vocab_size
         self.tokenizer_fingerprint = model.tokenizer_fingerprint
@@ -164,7 +180,15 @@ class PromptLookupProposer(Proposer):
         if not found:
             return self.model.propose(committed, k, rule, stop)
         self.lookups[0] += 1
-        self.lookups[1] += len(found)
+        if self.checked:
+            top = greedy_after(self.model._model(stop), committed, found)  # [len(found) + 1]
+            agree = 0
+            while agree < len(found) and found[agree] == top[agree]:
+                agree += 1
+            self.lookups[1] += agree
+            found = [*found[:agree], int(top[agree])][:k]  # the draft's own greedy tokens
+        else:
+            self.lookups[1] += len(found)
         if len(found) == k:
             return Block(found, None)
         rest = self.model.propose([*committed, *found], k - len(found), rule, stop)
@@ -175,7 +199,7 @@ class PromptLookupProposer(Proposer):
 
     def next_token(self, committed, rule, stop=None) -> tuple[int, SparseDist | None]:
         found = lookup(committed, 1, self.min_ngram) if rule.sampling.greedy else []
-        if found:
+        if found and not self.checked:  # checked: a one-token check is the model's own step
             return found[0], None
         return self.model.next_token(committed, rule, stop)
 

@@ -79,8 +79,30 @@ def test_no_match_or_sampling_drafts_with_the_model():
     assert proposer.propose(repeat, 0, GREEDY).tokens == []
 
 
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_a_checked_lookup_proposes_the_drafts_own_greedy_block(draft_exports, k):
+    """Checked by the draft in one pass, a lookup keeps what the draft agrees with and then
+    goes on as the draft: every block equals the model's own (here fp32, so no near-tie of a
+    multi-row pass against one-row steps can flip a token)."""
+    from specsplit.edge.onnx_drafter import OnnxDrafter
+    from specsplit.edge.proposer import DraftModelProposer
+
+    export = draft_exports["tied", "fp32"]
+    checked = PromptLookupProposer(DraftModelProposer(OnnxDrafter(export)), checked=True)
+    alone = DraftModelProposer(OnnxDrafter(export))
+    base = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+    seqs = [base, [*base, 8, 9], [3, 4, 5, 200, 3, 4, 5], [1, 2, 3, 4]]
+    for committed in seqs + seqs[::-1]:  # the cache rolls back and forth between them
+        assert checked.propose(committed, k, GREEDY) == alone.propose(committed, k, GREEDY)
+    assert checked.lookups[0] == 6  # all but [1, 2, 3, 4], twice
+    assert checked.next_token(base, GREEDY) == alone.next_token(base, GREEDY)
+    with pytest.raises(ValueError, match="needs a DraftModelProposer"):
+        PromptLookupProposer(CountingModel(), checked=True)
+
+
 @pytest.mark.slow
-def test_greedy_split_with_prompt_lookup_equals_target_greedy(cloud, tiny):
+@pytest.mark.parametrize("checked", [False, True])
+def test_greedy_split_with_prompt_lookup_equals_target_greedy(cloud, tiny, checked):
     """Real parts: lookups fire on a repetitive prompt, and the output is the target's own."""
     from specsplit.edge.client import GenerationConfig, SplitClient
     from specsplit.edge.onnx_drafter import OnnxDrafter
@@ -88,7 +110,8 @@ def test_greedy_split_with_prompt_lookup_equals_target_greedy(cloud, tiny):
     from specsplit.shared.tiny import reference_greedy
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
-    proposer = PromptLookupProposer(DraftModelProposer(OnnxDrafter(tiny.draft_onnx)))
+    model = DraftModelProposer(OnnxDrafter(tiny.draft_onnx))
+    proposer = PromptLookupProposer(model, checked=checked)
 
     async def run() -> list[int]:
         async with SplitClient(cloud.address, proposer) as client:
