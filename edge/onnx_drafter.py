@@ -188,10 +188,16 @@ class OnnxDrafter:
                 f"context of {past + seq} tokens exceeds the draft's limit of "
                 f"{self.max_positions} positions (max_positions of its export)"
             )
-        self._reserve(past + seq, past)  # once: a long prompt never copies a growing cache
         # A long prompt goes in chunks: attention scores are [heads, chunk, capacity] floats.
-        size = prefill_chunk(self._num_heads, self._kv.capacity)
-        chunks = [self._step(tokens[i : i + size], all_logits) for i in range(0, seq, size)]
+        # The cache grows as they go (doubling): attention reads the whole buffer, so one sized
+        # for the whole prompt up front would make every early chunk read empty positions.
+        chunks, i = [], 0
+        while i < seq:
+            done = len(self._tokens)
+            self._reserve(min(past + seq, done + PREFILL_CHUNK), done)
+            size = prefill_chunk(self._num_heads, self._kv.capacity)
+            chunks.append(self._step(tokens[i : i + size], all_logits))
+            i += size
         if all_logits:  # [seq, head rows]
             logits = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         else:  # [1, head rows]: the last position's

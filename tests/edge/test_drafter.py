@@ -146,7 +146,7 @@ def test_a_prefill_returns_its_last_position_only_as_transformers_computes_it(
 
 def test_a_long_prompt_prefills_in_chunks_sized_to_the_cache(draft_exports, monkeypatch):
     """A pass's attention scores, [heads, chunk, capacity] float32, stay near SCORES_BYTES:
-    the longer the cache, the shorter the chunk; and the cache is sized once for the prompt."""
+    the longer the cache, the shorter the chunk."""
     assert onnx_drafter.prefill_chunk(14, 2048) == 146  # Qwen2.5-0.5B: 14 heads
     assert onnx_drafter.prefill_chunk(14, 512) == onnx_drafter.PREFILL_CHUNK
     assert onnx_drafter.prefill_chunk(14, 32768) == onnx_drafter.MIN_PREFILL_CHUNK
