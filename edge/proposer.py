@@ -12,6 +12,7 @@ at its next forward pass once ``stop`` is set.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Sequence
@@ -97,8 +98,16 @@ class DraftModelProposer(Proposer):
 
 def as_proposer(source: Drafter | Proposer) -> Proposer:
     """A ``Proposer`` (an instance of a class that names it as a base) as it is; a draft model
-    drafts through ``DraftModelProposer``."""
-    return source if Proposer in type(source).__mro__ else DraftModelProposer(source)
+    drafts through ``DraftModelProposer``, behind a checked ``PromptLookupProposer`` where its
+    ``forward`` can score a block in one pass (``all_logits``: edge.onnx_drafter): where the
+    committed text predicts a block, the draft checks it in one pass instead of k steps, and
+    the block stays the draft's own greedy one."""
+    if Proposer in type(source).__mro__:
+        return source
+    model = DraftModelProposer(source)
+    if "all_logits" in inspect.signature(source.forward).parameters:
+        return PromptLookupProposer(model, checked=True)
+    return model
 
 
 def timed_block(

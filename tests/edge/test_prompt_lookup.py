@@ -123,3 +123,18 @@ def test_greedy_split_with_prompt_lookup_equals_target_greedy(cloud, tiny, check
 
     lookups = asyncio.run(run())
     assert lookups[0] >= 1, lookups
+
+
+def test_a_draft_model_that_scores_blocks_drafts_behind_a_checked_lookup(draft_exports):
+    """What SplitClient drafts with: the ONNX draft behind a checked lookup; a drafter that
+    cannot score a block in one pass (a fake without all_logits) through the model alone; a
+    Proposer as it is."""
+    from specsplit.edge.onnx_drafter import OnnxDrafter
+    from specsplit.edge.proposer import DraftModelProposer, as_proposer
+    from tests.fakes import SlowDrafter
+
+    onnx = as_proposer(OnnxDrafter(draft_exports["tied", "fp32"]))
+    assert isinstance(onnx, PromptLookupProposer) and onnx.checked
+    assert type(as_proposer(SlowDrafter())) is DraftModelProposer
+    model = CountingModel()
+    assert as_proposer(model) is model
