@@ -15,7 +15,8 @@ The file, ``<cache>/edge/links.json``::
 A link is the server's as the client names it (``--server``). One older than ``STALE_AFTER_S``
 is ignored (a device moves between networks; a server is redeployed), as is a file of another
 version or one that cannot be read: each with a debug log, never an error, since a cold start
-is only slower. Writes replace the file atomically and keep the other servers' links.
+is only slower. Writes replace the file atomically and keep the other servers' links that are
+still good, the MAX_LINKS latest.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 STALE_AFTER_S = 6 * 3600.0  # a remembered link older than this is not trusted
+MAX_LINKS = 32  # servers remembered at most (the latest saved): the file never grows unbounded
 
 
 def links_path() -> Path:
@@ -98,12 +100,22 @@ def save_link(server: str, link: Link, path: Path | None = None, now: float | No
     """Remembers ``link`` for ``server`` beside the other servers' links; a cache that cannot
     be written only costs the next invocation a cold start (logged at debug)."""
     path = path or links_path()
-    links = _read(path)
+    now = time.time() if now is None else now
+    kept = []  # (saved_at, server, entry) of the others' links still good
+    for other, entry in _read(path).items():
+        try:
+            saved_at = _link(entry)[1]
+        except ValueError:
+            continue
+        if other != server and 0 <= now - saved_at <= STALE_AFTER_S:
+            kept.append((saved_at, other, entry))
+    kept.sort(key=lambda t: t[0])
+    links = {other: entry for _, other, entry in kept[-(MAX_LINKS - 1) :]}
     links[server] = {
         "rtt_ms": link.rtt_ms,
         "step_ms": link.step_ms,
         "led": link.led,
-        "saved_at": time.time() if now is None else now,
+        "saved_at": now,
     }
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:

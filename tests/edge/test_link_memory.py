@@ -97,3 +97,14 @@ def test_an_unwritable_cache_costs_only_a_cold_start(cache, caplog):
         save_link(SERVER, SLOW, now=1000.0)
         assert load_link(SERVER, now=1000.0) is None
     assert "not written" in caplog.text
+
+
+def test_a_save_keeps_the_latest_good_links_only(monkeypatch):
+    import specsplit.edge.link_memory as memory
+
+    monkeypatch.setattr(memory, "MAX_LINKS", 3)
+    for i in range(5):
+        save_link(f"s{i}:1", SLOW, now=1000.0 + i)
+    assert set(json.loads(links_path().read_text())["links"]) == {"s2:1", "s3:1", "s4:1"}
+    save_link("s5:1", SLOW, now=1003.0 + STALE_AFTER_S)  # s2 has gone stale meanwhile
+    assert set(json.loads(links_path().read_text())["links"]) == {"s3:1", "s4:1", "s5:1"}
