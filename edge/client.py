@@ -118,8 +118,9 @@ class GenerationConfig:
 class SplitClient:
     """A connection to a gateway. TLS when ``tls`` is true or any tls_* file is given;
     ``token`` is sent as ``authorization: Bearer <token>`` on every call. ``drafter``: the draft
-    model (drafting through ``edge.proposer.DraftModelProposer``), or any ``Proposer`` (the
-    load benchmark's replay of recorded blocks)."""
+    model (drafting through ``edge.proposer.as_proposer``: ``DraftModelProposer``, behind a
+    checked ``PromptLookupProposer`` for an ONNX draft), or any ``Proposer`` (the load
+    benchmark's replay of recorded blocks)."""
 
     def __init__(
         self,

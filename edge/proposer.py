@@ -2,9 +2,10 @@
 
 The loops (edge.lockstep, edge.cloud_led) ask a ``Proposer`` for drafts under the stream's
 ``DraftRule`` and know nothing of how they are made: ``DraftModelProposer`` runs the draft model
-(a ``Drafter``, edge.drafting); the load benchmark's ``bench.replay.ReplayDrafter`` serves
-recorded blocks instead. Implementations name ``Proposer`` as a base class: that, not the
-methods they happen to have, is what ``as_proposer`` goes by.
+(a ``Drafter``, edge.drafting); ``PromptLookupProposer`` takes a block from the committed text
+where it predicts one (n-gram prompt lookup), the model's otherwise; the load benchmark's
+``bench.replay.ReplayDrafter`` serves recorded blocks instead. Implementations name ``Proposer``
+as a base class: that, not the methods they happen to have, is what ``as_proposer`` goes by.
 
 Every method may run in a worker thread (edge.worker): given ``stop``, it gives up (``Stopped``)
 at its next forward pass once ``stop`` is set.
