@@ -19,6 +19,7 @@ from specsplit.edge.client import (
     SplitClient,
     check_token_transport,
 )
+from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.models import (
     DEFAULT_DRAFT,
     DEFAULT_PRECISION,
@@ -175,6 +176,9 @@ async def _generate(args) -> int:
         secure = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
         check_token_transport(server, args.token, secure, args.insecure)  # before any wait
         await _wait_for_cloud(args)
+    # What the last invocation learnt of this server's link (edge.link_memory): a second
+    # invocation starts as the first ended, cloud-led where the link is slow.
+    link = None if server is None else load_link(server)
     async with SplitClient(
         server,
         drafter,
@@ -184,6 +188,7 @@ async def _generate(args) -> int:
         tls_key=args.tls_key,
         token=args.token,
         insecure=args.insecure,
+        link=link,
     ) as client:
         gen = client.generate(prompt, config, mode=args.mode)
         stream = codec.stream() if codec and not args.json else None
@@ -192,6 +197,8 @@ async def _generate(args) -> int:
                 continue
             sys.stdout.write(stream.push(chunk) if stream else "".join(f"{t} " for t in chunk))
             sys.stdout.flush()
+    if server is not None and client.link is not None:
+        save_link(server, client.link)
     s = gen.stats
     if args.json:
         out = {"text": codec.decode(gen.token_ids) if codec else None, "token_ids": gen.token_ids}

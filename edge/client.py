@@ -131,9 +131,9 @@ class SplitClient:
     """A connection to a gateway. TLS when ``tls`` is true or any tls_* file is given;
     ``token`` is sent as ``authorization: Bearer <token>`` on every call, never in plaintext to
     an address off this host unless ``insecure`` (ValueError: anyone on the path could read it
-    and use it). ``drafter``: the draft
-    model (drafting through ``edge.proposer.DraftModelProposer``), or any ``Proposer`` (the
-    load benchmark's replay of recorded blocks)."""
+    and use it). ``drafter``: the draft model (drafting through ``edge.proposer.as_proposer``:
+    ``DraftModelProposer``, behind a checked ``PromptLookupProposer`` for an ONNX draft), or any
+    ``Proposer`` (the load benchmark's replay of recorded blocks)."""
 
     def __init__(
         self,
@@ -199,6 +199,13 @@ class SplitClient:
             raise ValueError(
                 f"prompt token id {max(prompt_ids)} outside the draft's vocabulary "
                 f"[0, {self.proposer.vocab_size})"
+            )
+        limit = None if mode == CLOUD_ONLY else self.proposer.max_positions
+        if limit is not None and len(prompt_ids) >= limit:  # the draft must feed one more
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens: the draft runs at most {limit} positions "
+                f"(its export's max_positions), and a generation needs one past the prompt; "
+                f"shorten the prompt, or use mode {CLOUD_ONLY} (no draft)"
             )
         stats = GenerationStats(mode=mode)
         if mode == "edge-only":

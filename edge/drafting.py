@@ -36,7 +36,9 @@ class Drafter(Protocol):
     @property
     def cached(self) -> list[int]: ...
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...  # [len(tokens), V] logits
+    # Logits whose last row [-1] follows the last of ``tokens``: [1, V] or [len(tokens), V]
+    # (edge.onnx_drafter computes the last row only, unless asked for all).
+    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...
 
     def truncate(self, n: int) -> None: ...
 
@@ -126,6 +128,20 @@ def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
         n += 1
     drafter.truncate(n)
     return drafter.forward(committed[n:])[-1]
+
+
+def greedy_after(drafter: Drafter, committed: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    """The draft's top token after ``committed + tokens[:i]`` for i = 0..len(tokens), from one
+    pass over what the cache lacks plus ``tokens`` (a drafter whose ``forward`` takes
+    ``all_logits``: edge.onnx_drafter). [len(tokens) + 1] token ids."""
+    cached = drafter.cached
+    n = 0
+    limit = min(len(cached), len(committed) - 1)  # the last token is always fed, for its logits
+    while n < limit and cached[n] == committed[n]:
+        n += 1
+    drafter.truncate(n)
+    logits = drafter.forward([*committed[n:], *tokens], all_logits=True)  # [fed, V]
+    return np.argmax(logits[len(committed) - n - 1 :], axis=-1)
 
 
 def draft_block(

@@ -3,10 +3,13 @@ cache.
 
 Contract: ``OnnxDrafter`` knows token ids, logits and the cache; nothing about tokenization,
 sampling or the protocol. ``cached`` is the token prefix whose keys/values are in the cache.
-``forward(tokens)`` runs one pass over ``tokens`` appended after ``cached`` and returns their
-logits; ``truncate(n)`` rolls the cache back to ``cached[:n]`` without recomputing or copying
-anything (only the cache's length moves), and is exact: ``truncate(n)`` then ``forward(x)``
-gives the logits of a fresh run over ``cached[:n] + x``.
+``forward(tokens)`` runs one pass over ``tokens`` appended after ``cached`` and returns the logits
+after the last of them, [1, vocab] (the graph's LM head runs on that position only: a prompt's
+other positions would cost [len, vocab] floats, 1.2 GB at 2,048 tokens); with ``all_logits``
+every token's, [len(tokens), vocab] (teacher-forced scoring). ``truncate(n)`` rolls the
+cache back to ``cached[:n]`` without recomputing or copying anything (only the cache's length
+moves), and is exact: ``truncate(n)`` then ``forward(x)`` gives the logits of a fresh run over
+``cached[:n] + x``.
 
 The cache lives in place (``edge.export.onnx_graph``'s contract): one buffer per layer and kind,
 bound with IO binding as both the graph's past and present, on the device the graph runs on; a step
@@ -36,7 +39,18 @@ METADATA_FILE = (
 )
 SUPPORTED_FORMAT = 1
 INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
-PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt
+PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt, at most ...
+# ... and fewer where the cache is long: one pass holds attention scores of [heads, chunk,
+# capacity] float32 (a few such tensors at once), kept to about this many bytes each, so a
+# prompt of any length prefills in bounded memory.
+SCORES_BYTES = 16 << 20
+MIN_PREFILL_CHUNK = 32
+
+
+def prefill_chunk(num_heads: int, capacity: int) -> int:
+    """Tokens per pass of a prompt into a cache of ``capacity`` positions."""
+    fits = SCORES_BYTES // (4 * num_heads * capacity)
+    return min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, fits))
 
 
 # --provider names -> ONNX Runtime's, in the order ``auto`` prefers them: the device's
@@ -200,13 +214,15 @@ class OnnxDrafter:
         if meta.get("graph_format") != GRAPH_FORMAT:
             raise ValueError(
                 f"{model_dir} was exported with graph format {meta.get('graph_format')}; this "
-                f"version runs format {GRAPH_FORMAT} (KV cache in place). Export it again: "
+                f"version runs format {GRAPH_FORMAT} (the prefill's logits of the last position "
+                f"only, KV cache in place). Export it again: "
                 f"specsplit-edge export --draft <its Hugging Face directory> --out {model_dir}"
             )
         self.vocab_size: int = int(meta["vocab_size"])
         self.eos_token_ids: tuple[int, ...] = tuple(meta["eos_token_ids"])
         self.precision: str = meta["precision"]
-        self.max_positions: int = int(meta["max_positions"])
+        self.max_positions: int = int(meta["max_positions"])  # the longest context it runs
+        self._num_heads = int(meta["num_heads"])
         # shared.tokenizer_fingerprint of the draft's tokenizer (None: exported without one);
         # the target's must be the same for the pair to make sense
         self.tokenizer_fingerprint: str | None = meta.get("tokenizer_fingerprint")
@@ -250,34 +266,52 @@ class OnnxDrafter:
         """Tokens whose keys/values are in the cache (a copy; mutate via forward/truncate)."""
         return list(self._tokens)
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Appends ``tokens`` after ``cached``; returns their logits [len(tokens), vocab]."""
+    def forward(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Appends ``tokens`` after ``cached``; returns the logits after the last of them,
+        [1, vocab], or with ``all_logits`` those after each, [len(tokens), vocab]."""
         past = len(self._tokens)
         seq = len(tokens)
         if seq == 0:
             raise ValueError("forward needs at least one token")
         if past + seq > self.max_positions:
-            raise ValueError(f"context {past + seq} exceeds the model's {self.max_positions}")
-        # A long prompt goes in chunks: attention scores are [heads, seq, capacity] floats.
-        chunks = [self._step(tokens[i : i + PREFILL_CHUNK]) for i in range(0, seq, PREFILL_CHUNK)]
-        logits = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # [seq, head rows]
+            raise ValueError(
+                f"context of {past + seq} tokens exceeds the draft's limit of "
+                f"{self.max_positions} positions (max_positions of its export)"
+            )
+        # A long prompt goes in chunks: attention scores are [heads, chunk, capacity] floats.
+        # The cache grows as they go (doubling): attention reads the whole buffer, so one sized
+        # for the whole prompt up front would make every early chunk read empty positions.
+        chunks, i = [], 0
+        while i < seq:
+            done = len(self._tokens)
+            self._reserve(min(past + seq, done + PREFILL_CHUNK), done)
+            size = prefill_chunk(self._num_heads, self._kv.capacity)
+            chunks.append(self._step(tokens[i : i + size], all_logits))
+            i += size
+        if all_logits:  # [seq, head rows]
+            logits = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        else:  # [1, head rows]: the last position's
+            logits = chunks[-1][-1:]
         if self._head_ids is not None:
-            full = np.full((seq, self.vocab_size), -np.inf, dtype=np.float32)
+            full = np.full((len(logits), self.vocab_size), -np.inf, dtype=np.float32)
             full[:, self._head_ids] = logits
             logits = full
         if self.token_count < self.vocab_size:
             logits[:, self.token_count :] = -np.inf
-        return logits  # [seq, vocab]
+        return logits  # [seq or 1, vocab]
 
-    def _step(self, tokens: Sequence[int]) -> np.ndarray:
+    def _step(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
+        """One pass; the logits of every token, or of the last one only ([1, head rows])."""
         past, seq = len(self._tokens), len(tokens)
         self._reserve(past + seq, past)
         binding = self._binding
         binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64).reshape(1, seq))
         binding.bind_cpu_input("past_len", np.array([past], dtype=np.int64))
-        binding.bind_output("logits", "cpu")  # a fresh [1, seq, vocab] each call
+        logits_from = 0 if all_logits else seq - 1
+        binding.bind_cpu_input("logits_from", np.array([logits_from], dtype=np.int64))
+        binding.bind_output("logits", "cpu")  # a fresh [1, seq - logits_from, vocab] each call
         self._session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()  # [1, seq, vocab or head rows]
+        logits = binding.get_outputs()[0].numpy()  # [1, seq - logits_from, vocab or head rows]
         self._tokens.extend(int(t) for t in tokens)
         return logits[0]
 

@@ -32,9 +32,11 @@ class Stoppable:
     def truncate(self, n: int) -> None:
         self._drafter.truncate(n)
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+    def forward(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         if self._stop.is_set():
             raise Stopped
+        if all_logits:  # only drafters that take it are asked (edge.drafting.greedy_after)
+            return self._drafter.forward(tokens, all_logits=True)
         return self._drafter.forward(tokens)
 
 

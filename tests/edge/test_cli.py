@@ -108,3 +108,26 @@ def test_generate_without_draft_uses_the_cached_default_draft(tiny, tmp_path, mo
     out = json.loads(r.stdout)
     assert out["token_ids"] == reference_greedy(tiny.draft, [1, 2, 3], 6)
     assert not (tmp_path / "hf").exists() and not (tmp_path / "wheels").exists()
+
+
+def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_path, monkeypatch):
+    """Each `generate` is a new process: the link the first measured is written to the cache
+    (edge.link_memory) and read by the next, which starts cloud-led where that link says so
+    (here a remembered slow link: on this machine's loopback lock-step would be kept)."""
+    from specsplit.edge.link_memory import load_link, save_link
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    args = ["generate", "--server", cloud.address, "--draft", str(tiny.draft_onnx)]
+    args += ["--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "12", "--json"]
+    r = edge(*args)
+    assert r.returncode == 0, r.stderr
+    first = load_link(cloud.address)
+    assert first is not None and first.step_ms > 0 and first.rtt_ms is not None
+    assert not json.loads(r.stdout)["led_at_start"]  # cold: nothing remembered
+    save_link(cloud.address, first._replace(led=True))  # as after an auto run that led
+    r = edge(*args)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["led_at_start"] and out["mode"] == "split"
+    assert out["token_ids"] == reference_greedy(tiny.target, [1, 2, 3, 4, 5], 12)
+    assert load_link(cloud.address).led  # renewed by the second run

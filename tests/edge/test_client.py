@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from specsplit.edge.client import GenerationConfig, SplitClient
 from tests.fakes import SlowDrafter, gateway
 
@@ -52,3 +54,23 @@ def test_drafting_never_blocks_the_event_loop():
     with_ahead, without = asyncio.run(run())
     assert with_ahead == without and len(without) == 24
     assert drafter.calls > 0 and drafter.loop_calls == 0
+
+
+def test_a_prompt_past_the_drafts_limit_is_refused_before_any_work():
+    """Refused when generate is called: no stream opened (no server listens there), no pass of
+    the draft; the draft must feed one position past the prompt. Cloud-only needs no draft."""
+    drafter = SlowDrafter(delay_s=0.0)
+    drafter.max_positions = 8
+
+    async def run() -> None:
+        async with SplitClient("127.0.0.1:1", drafter) as client:
+            cfg = GenerationConfig(max_new_tokens=4)
+            with pytest.raises(ValueError, match="prompt of 8 tokens: the draft runs at most 8"):
+                client.generate([1] * 8, cfg)
+            with pytest.raises(ValueError, match="prompt of 9 tokens"):
+                client.generate([1] * 9, cfg, mode="edge-only")
+            client.generate([1] * 9, cfg, mode="cloud-only")  # lazy: nothing sent yet
+            client.generate([1] * 7, cfg)
+
+    asyncio.run(run())
+    assert drafter.calls == 0

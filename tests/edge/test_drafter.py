@@ -26,7 +26,7 @@ def test_prompt_then_incremental_steps_match_transformers(qwen_dirs, draft_expor
     ids = PROMPT + [11, 250, 0, 42, 42, 9, 1]
     # prompt, three single-token steps, then a block of four (a verify-sized chunk)
     chunks = [ids[:9], ids[9:10], ids[10:11], ids[11:12], ids[12:]]
-    got = np.concatenate([drafter.forward(chunk) for chunk in chunks])
+    got = np.concatenate([drafter.forward(chunk, all_logits=True) for chunk in chunks])
     assert_logits_close(got, hf_logits(qwen_dirs[kind], ids))
     assert drafter.cached == ids
 
@@ -47,8 +47,8 @@ def test_truncate_then_forward_equals_fresh_run(draft_exports):
         drafter.truncate(n)
         assert drafter.cached == prefix
         fresh.reset()
-        expected = fresh.forward(prefix + x)[n:]
-        np.testing.assert_allclose(drafter.forward(x), expected, rtol=0, atol=1e-5)
+        expected = fresh.forward(prefix + x, all_logits=True)[n:]
+        np.testing.assert_allclose(drafter.forward(x, True), expected, rtol=0, atol=1e-5)
         assert drafter.cached == prefix + x
 
 
@@ -58,14 +58,14 @@ def test_the_cache_outgrows_its_buffers_and_stays_exact(qwen_dirs, draft_exports
     monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
     drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
     ids = PROMPT + [11, 250, 0, 42, 42, 9, 1, 3, 3, 5, 8, 13, 21, 34, 55]  # 24 tokens
-    got = [drafter.forward(ids[:3])]
+    got = [drafter.forward(ids[:3], all_logits=True)]
     capacities = [drafter._kv.capacity]
     for token in ids[3:12]:
         got.append(drafter.forward([token]))
         capacities.append(drafter._kv.capacity)
     drafter.forward([7, 7, 7])  # rejected
     drafter.truncate(12)
-    got.append(drafter.forward(ids[12:]))  # a 12-token block grows it once more
+    got.append(drafter.forward(ids[12:], all_logits=True))  # a 12-token block grows it once more
     capacities.append(drafter._kv.capacity)
     assert sorted(set(capacities)) == [4, 8, 16, 32]
     assert_logits_close(np.concatenate(got), hf_logits(qwen_dirs["tied"], ids))
@@ -95,15 +95,15 @@ def test_a_step_writes_its_positions_in_place(draft_exports, capfd):
     drafter.forward([44])
     assert COPY_WARNING not in capfd.readouterr().err
     session = drafter._session  # the control: plain run() hands ORT separate buffers
-    feeds = {"input_ids": np.array([[1]]), "past_len": np.array([0])}
-    feeds |= {i.name: np.zeros((1, 2, 8, 16), np.float32) for i in session.get_inputs()[2:]}
+    feeds = {"input_ids": np.array([[1]]), "past_len": np.array([0]), "logits_from": np.array([0])}
+    feeds |= {i.name: np.zeros((1, 2, 8, 16), np.float32) for i in session.get_inputs()[3:]}
     session.run(["logits"], feeds)
     assert COPY_WARNING in capfd.readouterr().err
 
 
 def test_reset_and_truncate_bounds(draft_exports):
     drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
-    first = drafter.forward(PROMPT)
+    first = drafter.forward(PROMPT, all_logits=True)
     drafter.truncate(len(PROMPT))  # no-op
     with pytest.raises(ValueError):
         drafter.truncate(len(PROMPT) + 1)
@@ -113,7 +113,7 @@ def test_reset_and_truncate_bounds(draft_exports):
         drafter.forward([])
     drafter.reset()
     assert drafter.cached == []
-    np.testing.assert_array_equal(drafter.forward(PROMPT), first)
+    np.testing.assert_array_equal(drafter.forward(PROMPT, all_logits=True), first)
 
 
 def test_a_long_prompt_goes_in_chunks_with_the_same_logits(draft_exports, monkeypatch):
@@ -124,6 +124,69 @@ def test_a_long_prompt_goes_in_chunks_with_the_same_logits(draft_exports, monkey
     assert chunked.cached == PROMPT
 
 
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_a_prefill_returns_its_last_position_only_as_transformers_computes_it(
+    qwen_dirs, draft_exports, kind, monkeypatch
+):
+    """The graph's LM head runs on the last prompt position only ([1, 1, vocab] out of ONNX
+    Runtime), whole or in chunks, with the very logits of an all-positions pass."""
+    drafter = OnnxDrafter(draft_exports[kind, "fp32"], providers=CPU)
+    ref = hf_logits(qwen_dirs[kind], PROMPT)  # [len, vocab]
+    last = drafter.forward(PROMPT)
+    assert drafter._binding.get_outputs()[0].shape() == [1, 1, 256]
+    assert_logits_close(last, ref[-1:])
+    drafter.reset()
+    np.testing.assert_allclose(drafter.forward(PROMPT, True)[-1:], last, rtol=0, atol=1e-5)
+    monkeypatch.setattr(onnx_drafter, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(onnx_drafter, "MIN_PREFILL_CHUNK", 1)
+    chunked = OnnxDrafter(draft_exports[kind, "fp32"], providers=CPU)
+    assert_logits_close(chunked.forward(PROMPT), ref[-1:])
+    assert chunked.cached == PROMPT
+
+
+def test_a_long_prompt_prefills_in_chunks_sized_to_the_cache(draft_exports, monkeypatch):
+    """A pass's attention scores, [heads, chunk, capacity] float32, stay near SCORES_BYTES:
+    the longer the cache, the shorter the chunk."""
+    assert onnx_drafter.prefill_chunk(14, 2048) == 146  # Qwen2.5-0.5B: 14 heads
+    assert onnx_drafter.prefill_chunk(14, 512) == onnx_drafter.PREFILL_CHUNK
+    assert onnx_drafter.prefill_chunk(14, 32768) == onnx_drafter.MIN_PREFILL_CHUNK
+    monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
+    monkeypatch.setattr(onnx_drafter, "MIN_PREFILL_CHUNK", 1)
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    ids = (PROMPT * 7)[:60]
+    # room for 3 query rows of every head over a cache of the prompt's 60 positions
+    monkeypatch.setattr(onnx_drafter, "SCORES_BYTES", 4 * drafter._num_heads * 60 * 3)
+    seen, step = [], drafter._step
+    monkeypatch.setattr(drafter, "_step", lambda t, a: (seen.append(len(t)), step(t, a))[1])
+    capacities = []
+    monkeypatch.setattr(drafter._kv, "reserve", _spy(drafter._kv.reserve, capacities))
+    got = drafter.forward(ids)
+    assert seen == [3] * 20 and capacities == [60]
+    fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    np.testing.assert_allclose(got, fresh.forward(ids, all_logits=True)[-1:], rtol=0, atol=1e-5)
+
+
+def _spy(reserve, capacities):
+    def spied(total, valid):
+        moved = reserve(total, valid)
+        if moved:
+            capacities.append(total)
+        return moved
+
+    return spied
+
+
+def test_a_context_past_the_drafts_limit_is_refused_before_any_pass(draft_exports, monkeypatch):
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter.forward(PROMPT)
+    monkeypatch.setattr(drafter, "_step", None)  # any pass would fail differently
+    too_long = drafter.max_positions - len(PROMPT) + 1
+    match = f"context of {drafter.max_positions + 1} tokens exceeds the draft's limit of "
+    with pytest.raises(ValueError, match=match + f"{drafter.max_positions} positions"):
+        drafter.forward([1] * too_long)
+    assert drafter.cached == PROMPT
+
+
 def test_drafter_attributes(draft_exports):
     drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU, threads=1)
     assert (drafter.vocab_size, drafter.precision, drafter.provider) == (
@@ -132,16 +195,21 @@ def test_drafter_attributes(draft_exports):
         "CPUExecutionProvider",
     )
     assert drafter.eos_token_ids == ()
-    assert drafter.forward([1, 2]).shape == (2, 256)
+    assert drafter.forward([1, 2]).shape == (1, 256)
+    assert drafter.forward([1, 2], all_logits=True).shape == (2, 256)
 
 
-def test_an_export_of_another_graph_format_is_refused_clearly(draft_exports, tmp_path):
-    """An export made by an older version (KV cache as concat(past, new)) is never misread."""
+@pytest.mark.parametrize("graph_format", [1, 2])
+def test_an_export_of_another_graph_format_is_refused_clearly(
+    draft_exports, tmp_path, graph_format
+):
+    """An export made by an older version is never misread: 1 returned concat(past, new), 2
+    computed every prompt position's logits (and has no logits_from input)."""
     old = shutil.copytree(draft_exports["tied", "fp32"], tmp_path / "old")
     meta = json.loads((old / "specsplit_draft.json").read_text())
-    meta["graph_format"] = 1
+    meta["graph_format"] = graph_format
     (old / "specsplit_draft.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="graph format 1.*Export it again"):
+    with pytest.raises(ValueError, match=f"graph format {graph_format}.*Export it again"):
         OnnxDrafter(old, providers=CPU)
 
 

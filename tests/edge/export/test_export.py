@@ -25,7 +25,7 @@ def test_int8_mostly_agrees_with_fp32(draft_exports, kind):
     # teacher-forced on the fp32 greedy continuation, so one early flip does not decide it all
     ids = PROMPT + drafter_greedy(fp32, PROMPT, 32)
     fp32.reset()
-    agree = (fp32.forward(ids).argmax(-1) == int8.forward(ids).argmax(-1)).mean()
+    agree = (fp32.forward(ids, True).argmax(-1) == int8.forward(ids, True).argmax(-1)).mean()
     assert agree >= 0.8, agree  # 0.93 and 0.95 seen; block-wise weight-only int8
     assert len(drafter_greedy(int8, PROMPT, 8)) == 8
 
@@ -63,7 +63,7 @@ def test_int4_graph_computes_its_weights(qwen_dirs, tmp_path):
     assert int4.precision == "int4"
     ids = PROMPT + drafter_greedy(fp32, PROMPT, 24)
     fp32.reset()
-    ref, got = fp32.forward(ids), int4.forward(ids)
+    ref, got = fp32.forward(ids, all_logits=True), int4.forward(ids, all_logits=True)
     err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
     assert err.max() < 0.1, err  # a wrong nibble or zero point errs by ~100%
     assert len(drafter_greedy(int4, PROMPT, 8)) == 8
@@ -113,12 +113,13 @@ def test_graph_io_names_and_shapes(draft_exports):
     inputs = {v.name: dims(v) for v in model.graph.input}
     outputs = {v.name: dims(v) for v in model.graph.output}
     assert inputs["input_ids"] == [1, "seq_len"] and inputs["past_len"] == [1]
-    assert outputs["logits"] == [1, "seq_len", 256]
+    assert inputs["logits_from"] == [1]  # the LM head runs from there: a prefill's last only
+    assert outputs["logits"] == [1, "logits_len", 256]
     for i in range(2):  # kv_heads 2, head_dim 16; past and present are one buffer
         for kind in ("key", "value"):
             assert inputs[f"past_{kind}.{i}"] == [1, 2, "capacity", 16]
             assert outputs[f"present_{kind}.{i}"] == [1, 2, "capacity", 16]
-    assert len(inputs) == 2 + 2 * 2 and len(outputs) == 1 + 2 * 2
+    assert len(inputs) == 3 + 2 * 2 and len(outputs) == 1 + 2 * 2
     assert {n.op_type for n in model.graph.node} >= {"TensorScatter", "RotaryEmbedding"}
     assert "Concat" not in {n.op_type for n in model.graph.node}  # no copy of the past
     assert (draft_exports["tied", "fp32"] / "model.onnx.data").exists()
@@ -136,7 +137,7 @@ def test_metadata_and_copied_files(tmp_path):
         [7],
         "qwen2",
     )
-    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 2, "hf")
+    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 3, "hf")
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
@@ -193,7 +194,7 @@ def test_a_partial_lm_head_keeps_its_rows_exactly_and_never_proposes_the_others(
     part = OnnxDrafter(out, providers=CPU)
     kept = np.load(out / "lm_head_ids.npy")
     assert kept.tolist()[:100] == list(range(100)) and set(part.eos_token_ids) <= set(kept)
-    ref, got = full.forward(PROMPT), part.forward(PROMPT)
+    ref, got = full.forward(PROMPT, all_logits=True), part.forward(PROMPT, all_logits=True)
     assert got.shape == ref.shape
     np.testing.assert_allclose(got[:, kept], ref[:, kept], rtol=0, atol=1e-5)
     dropped = np.setdiff1d(np.arange(ref.shape[1]), kept)

@@ -48,10 +48,11 @@ def exports(tmp_path_factory) -> Exports:
 def run_contract(drafter: OnnxDrafter) -> np.ndarray:
     """Logits of IDS fed as the draft loop feeds it: a prompt, single steps, a rejected block
     rolled back, then blocks of four after the truncate. [len(IDS), vocab]"""
-    got = [drafter.forward(IDS[:10]), drafter.forward(IDS[10:11]), drafter.forward(IDS[11:12])]
+    got = [drafter.forward(IDS[:10], all_logits=True), drafter.forward(IDS[10:11])]
+    got.append(drafter.forward(IDS[11:12]))
     drafter.forward([5, 6, 7])  # rejected
     drafter.truncate(12)
-    got += [drafter.forward(IDS[12:16]), drafter.forward(IDS[16:])]
+    got += [drafter.forward(IDS[12:16], True), drafter.forward(IDS[16:], True)]
     assert drafter.cached == IDS
     return np.concatenate(got)
 
@@ -62,6 +63,15 @@ def test_prompt_steps_and_blocks_after_a_truncate_match_transformers(exports, fa
     assert json.loads((onnx_dir / "specsplit_draft.json").read_text())["architecture"] == family
     got = run_contract(OnnxDrafter(onnx_dir, providers=CPU))
     assert_logits_close(got, stepwise_logits(_hf_model(hf), IDS).numpy())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_computes_the_last_positions_logits_only(exports, family):
+    """A prompt's pass returns the logits after its last token, [1, vocab], transformers' own
+    (the soft-capped head of Gemma 2, a partial rotary, a sliding window before it)."""
+    hf, onnx_dir = exports[family]
+    got = OnnxDrafter(onnx_dir, providers=CPU).forward(IDS)
+    assert_logits_close(got, stepwise_logits(_hf_model(hf), IDS).numpy()[-1:])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,13 +86,14 @@ def test_every_family_exports_in_int8_and_int4(exports, family, tmp_path):
     """int8 follows fp32 (block-wise int8 weights and activations); int4, on a copy whose
     projections sit on its 4-bit grids, computes those weights (a wrong nibble errs ~100%)."""
     hf, onnx_dir = exports[family]
-    ref = OnnxDrafter(onnx_dir, providers=CPU).forward(IDS)
+    ref = OnnxDrafter(onnx_dir, providers=CPU).forward(IDS, all_logits=True)
     int8 = OnnxDrafter(export_onnx(hf, tmp_path / "int8", precision="int8"), providers=CPU)
-    assert (int8.forward(IDS).argmax(-1) == ref.argmax(-1)).mean() >= 0.75  # 0.8-1.0 seen
+    agree = (int8.forward(IDS, all_logits=True).argmax(-1) == ref.argmax(-1)).mean()
+    assert agree >= 0.75  # 0.8-1.0 seen
     grid = on_4bit_grids(hf, tmp_path / "grid")
-    ref = OnnxDrafter(export_onnx(grid, tmp_path / "grid-fp32"), providers=CPU).forward(IDS)
+    ref = OnnxDrafter(export_onnx(grid, tmp_path / "grid-fp32"), providers=CPU).forward(IDS, True)
     int4 = OnnxDrafter(export_onnx(grid, tmp_path / "int4", precision="int4"), providers=CPU)
-    got = int4.forward(IDS)
+    got = int4.forward(IDS, all_logits=True)
     err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
     assert err.max() < 0.3, err
 
@@ -123,7 +134,7 @@ def test_each_family_trait_matters_on_these_models(exports, family, change, tmp_
         if not f.name.startswith("model.onnx"):
             (broken / f.name).write_bytes(f.read_bytes())
     build_model(spec, SafetensorsWeights(hf), broken / "model.onnx")
-    got = OnnxDrafter(broken, providers=CPU).forward(IDS)
+    got = OnnxDrafter(broken, providers=CPU).forward(IDS, all_logits=True)
     ref = hf_logits(hf, IDS)
     assert np.abs(got - ref).max() > 1e-2 * np.abs(ref).max()
 
@@ -167,7 +178,7 @@ def test_longrope_switches_to_long_factors_from_the_original_length(tmp_path):
     drafter = OnnxDrafter(export_onnx(tmp_path / "hf", tmp_path / "onnx"), providers=CPU)
     for splits in ([60, 80], [30, 62, 66, 80]):
         drafter.reset()
-        got = [drafter.forward(ids[a:b]) for a, b in zip([0, *splits], splits, strict=False)]
+        got = [drafter.forward(ids[a:b], True) for a, b in zip([0, *splits], splits, strict=False)]
         assert_logits_close(np.concatenate(got), ref)
     # the control: the same graph never switching to the long factors is transformers' only
     # before position 64
@@ -180,6 +191,6 @@ def test_longrope_switches_to_long_factors_from_the_original_length(tmp_path):
         SafetensorsWeights(tmp_path / "hf"),
         tmp_path / "onnx" / "model.onnx",
     )
-    got = OnnxDrafter(tmp_path / "onnx", providers=CPU).forward(ids)
+    got = OnnxDrafter(tmp_path / "onnx", providers=CPU).forward(ids, all_logits=True)
     assert_logits_close(got[:64], ref[:64])
     assert np.abs(got[64:] - ref[64:]).max() > 1e-2 * np.abs(ref).max()
