@@ -28,6 +28,7 @@ OTHER_TOOLS = {
     "--no-deps": "pip",
     "--local-dir": "huggingface-cli",
     "--no-repack": "llama.cpp",
+    "--spec-type": "llama.cpp",
     "--rtt": "bench.run",
 }
 
