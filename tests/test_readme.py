@@ -29,6 +29,7 @@ OTHER_TOOLS = {
     "--local-dir": "huggingface-cli",
     "--no-repack": "llama.cpp",
     "--spec-type": "llama.cpp",
+    "--engines": "python -m bench.peers",
     "--rtt": "bench.run",
 }
 
