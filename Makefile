@@ -17,7 +17,7 @@ MAX_TOKENS ?= 96
 TEMPERATURE ?= 0
 K ?= 4
 
-.PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick soak clean \
+.PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick bench-gpu soak clean \
 	node-client bench-peers
 
 setup: $(STAMP) $(KERNELS_STAMP)
@@ -96,6 +96,11 @@ bench-load-quick: setup
 # this CPU, one run: docs/peers.md. Builds llama.cpp's llama-server once into the model cache.
 bench-peers: setup
 	$(PY) -m bench.peers
+
+# The target engine on a CUDA GPU (lossless checks, speed beside transformers): docs/gpu.md.
+GPU_CONFIG ?= $(HOME)/.cache/specsplit/hf/qwen2.5-coder-1.5b-instruct/config.json
+bench-gpu: setup
+	$(PY) -m bench.gpu --config $(GPU_CONFIG)
 
 # 64 sessions for 10 minutes against a real serve (tiny models): 0 errors, flat RSS of every
 # process; writes docs/soak.md + docs/soak.png. make soak MINUTES=1 for a short run.

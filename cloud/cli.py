@@ -437,7 +437,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
-        help="float dtype of the target's float path (auto: float32 on CPU, bfloat16 on GPU; "
+        help="float dtype of the target's float path (auto: float32 on CPU and GPU; "
         "any other value means --weights float)",
     )
     s.add_argument(

@@ -1,7 +1,10 @@
 """How the target's weights are served: the format (``--weights``) and float dtype (``--dtype``).
 
-- ``float``: the model's own modules in torch, in ``dtype`` (float32 on CPU, with oneDNN-packed
-  linears; bfloat16 on GPU by default). The reference; equal to transformers.
+- ``float``: the model's own modules in torch, in ``dtype`` (float32 by default: with
+  oneDNN-packed linears on CPU). The reference; equal to transformers. float32 on a GPU too:
+  docs/gpu.md measured bfloat16 there flipping greedy tokens between a session served alone and
+  the same session batched or verified in blocks (8 and 16 of 16 sessions; float32: 0 of 48),
+  so bfloat16 is asked for with ``--dtype bfloat16``, never chosen.
 - ``gguf``: a GGUF source's own blocks on our batch-invariant CPU kernels, each tensor at the
   file's width (``cloud.engine.gguf_weights``).
 - ``int8`` / ``int4``: weight-only quantised projections on our batch-invariant CPU kernels
@@ -39,9 +42,9 @@ def pick_device(requested: str | None = None) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU, bfloat16 on GPU."""
+    """auto: float32 on every device (bfloat16 is not lossless under batching: docs/gpu.md)."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.float32
     try:
         return DTYPES[name]
     except KeyError:

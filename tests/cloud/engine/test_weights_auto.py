@@ -104,3 +104,13 @@ async def _cloud_only(address: str, prompt: list[int], n_new: int) -> list[int]:
         gen = client.generate(prompt, GenerationConfig(max_new_tokens=n_new), mode="cloud-only")
         await gen.collect()
         return gen.token_ids
+
+
+def test_auto_dtype_is_float32_on_a_gpu_too():
+    """bfloat16 flipped greedy tokens between batched and alone on an H200 (docs/gpu.md): auto
+    never chooses it, on any device; asked for by name it is served."""
+    from specsplit.cloud.engine.precision import resolve_dtype
+
+    for device in ("cpu", "cuda"):
+        assert resolve_dtype("auto", torch.device(device)) is torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cuda")) is torch.bfloat16
