@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specsplit.shared.protocol import pb, session_mode_of
+from specsplit.shared.request_latency import E2E_S, latency_histograms
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
 
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "specsplit"
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-REQUEST_SECONDS = SECONDS + (20.0, 40.0, 80.0, 160.0, 320.0, 640.0)  # whole generations
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPTANCE_LENGTHS = tuple(range(1, 18))  # emitted per draft: 1 .. max_draft_tokens + 1
 # Finished.reason -> outcome label; UNSPECIFIED (a split stream the client half-closed) is none.
@@ -155,28 +155,18 @@ class GatewayMetrics:
             buckets=POWERS_OF_TWO,
             registry=reg,
         )
-        self.ttft_s = Histogram(
-            f"{p}_time_to_first_token_seconds",
-            "Start's arrival to the first message committing a token",
-            buckets=REQUEST_SECONDS,
-            registry=reg,
+        latency = latency_histograms(
+            p,
+            reg,
+            ttft_doc="Start's arrival to the first message committing a token",
+            itl_doc="between two successive messages committing tokens",
+            e2e_doc="Start's arrival to Finished",
         )
-        self.itl_s = Histogram(
-            f"{p}_inter_token_latency_seconds",
-            "between two successive messages committing tokens",
-            buckets=SECONDS,
-            registry=reg,
-        )
-        self.e2e_s = Histogram(
-            f"{p}_e2e_request_latency_seconds",
-            "Start's arrival to Finished",
-            buckets=REQUEST_SECONDS,
-            registry=reg,
-        )
+        self.ttft_s, self.itl_s, self.e2e_s = latency.ttft, latency.itl, latency.e2e
         self.queue_time_s = Histogram(
             f"{p}_request_queue_time_seconds",
             "Start's arrival to its admission (places and KV reserved)",
-            buckets=REQUEST_SECONDS,
+            buckets=E2E_S,
             registry=reg,
         )
         self.prompt_tokens = Counter(

@@ -19,15 +19,9 @@ Each endpoint owns a private ``CollectorRegistry`` (several apps in one process 
 from __future__ import annotations
 
 from specsplit.edge.generation import GenerationStats
+from specsplit.shared.request_latency import latency_histograms
 
 PREFIX = "specsplit_edge"
-# Seconds, from a loopback round to a slow link's long generation.
-TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-          7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-         10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
 def speculative_decoding(stats: GenerationStats) -> dict:
@@ -48,29 +42,19 @@ def commit_intervals(token_times_s: list[float]) -> list[float]:
 
 class EdgeMetrics:
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = reg = CollectorRegistry()
         p = PREFIX
         self.running = Gauge(f"{p}_num_requests_running", "requests generating", registry=reg)
-        self.ttft = Histogram(
-            f"{p}_time_to_first_token_seconds",
-            "request taken to its first token committed",
-            buckets=TTFT_S,
-            registry=reg,
+        latency = latency_histograms(
+            p,
+            reg,
+            ttft_doc="request taken to its first token committed",
+            itl_doc="between successive commits of a request's tokens",
+            e2e_doc="request taken to its last token",
         )
-        self.itl = Histogram(
-            f"{p}_inter_token_latency_seconds",
-            "between successive commits of a request's tokens",
-            buckets=ITL_S,
-            registry=reg,
-        )
-        self.e2e = Histogram(
-            f"{p}_e2e_request_latency_seconds",
-            "request taken to its last token",
-            buckets=E2E_S,
-            registry=reg,
-        )
+        self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens", registry=reg)
         self.generation_tokens = Counter(f"{p}_generation_tokens", "tokens generated", registry=reg)
         self.success = Counter(
