@@ -1,4 +1,4 @@
-"""Async client API for applications: the draft -> send -> commit loop of DESIGN §2.
+"""Async client API for applications: the draft -> send -> commit loop of docs/design.md#protocol.
 
     async with SplitClient("127.0.0.1:50051", drafter) as client:
         gen = client.generate(prompt_ids, GenerationConfig(max_new_tokens=64))
@@ -70,8 +70,8 @@ class GenerationConfig:
     # whatever the cloud's load and timing (the output's distribution is the target's either way).
     follow_hint: bool = True
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
-    # waiting and verifies whatever drafts arrived in time (DESIGN §7): about as fast as
-    # cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
+    # waiting and verifies whatever drafts arrived in time (docs/design.md#cloud-led): about as fast
+    # as cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
     # 500-1000 ms: README.md, docs/benchmarks.md). "auto": lock-step with adaptive k, switching
     # to cloud-led once its measurements say that is faster (edge/mode_switch.py: a round trip
     # long next to the cloud's step, or a draft that predicts little); lock-step with a fixed k
@@ -91,8 +91,8 @@ class GenerationConfig:
     retry_window_s: float = DEFAULT_WINDOW_S
     # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
     # guess" (its top token when greedy, its own draw with the shared numbers when sampling,
-    # edge.drafting.guess_next); used when the verdict matches (DESIGN §4). Output is the same
-    # either way.
+    # edge.drafting.guess_next); used when the verdict matches (docs/design.md#performance). Output
+    # is the same either way.
     draft_ahead: bool = True
 
     @property

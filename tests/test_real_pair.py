@@ -1,4 +1,4 @@
-"""Smoke test of the main path with the real default pair (DESIGN §5).
+"""Smoke test of the main path with the real default pair (docs/design.md#models).
 
 Real Triton serving Qwen2.5-Coder-1.5B-Instruct with the defaults (on a CPU: the weights the load
 calibration picks, int4 from the Q4_K_M source where the CPU kernels build), the real ONNX (int8)

@@ -1,4 +1,5 @@
-"""Model sources: the default draft/target pair, fetched, verified, converted, cached (DESIGN §5).
+"""Model sources: the default draft/target pair, fetched, verified, converted, cached
+(docs/design.md#models).
 
 Contract:
 - ``fetch_gguf(source)`` returns a GGUF file whose size and sha256 equal the published ones, or
