@@ -91,8 +91,8 @@ class GenerationConfig:
     retry_window_s: float = DEFAULT_WINDOW_S
     # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
     # guess" (its top token when greedy, its own draw with the shared numbers when sampling,
-    # edge.drafting.guess_next); used when the verdict matches (docs/design.md#performance). Output
-    # is the same either way.
+    # edge.proposer.Proposer.guess_next); used when the verdict matches
+    # (docs/design.md#performance). Output is the same either way.
     draft_ahead: bool = True
 
     @property
