@@ -33,7 +33,7 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def pair():
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.shared.weights.sources import resolve_model
 
     return resolve_model(TARGET_DEFAULT.name), ensure_draft_onnx(DRAFT_DEFAULT.name, "int8")
