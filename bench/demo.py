@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.shared.weights.sources import resolve_model
 
     t0 = time.monotonic()

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_sigterm()
 
     from bench.load_report import write_load_report
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
     from specsplit.shared.weights.sources import resolve_model

@@ -249,7 +249,7 @@ def run_transformers(row: Row, setup: Setup) -> Iterator[dict]:
 
 
 def prepare_models() -> dict[str, Path]:
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.shared.weights.sources import (
         DRAFT_DEFAULT,
         TARGET_DEFAULT,

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from specsplit.edge.drafting import draft_distribution, next_logits
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
     from specsplit.shared.protocol import sparse_to_pb

@@ -65,7 +65,8 @@ def aggregate(records: list[dict]) -> dict:
 
 
 def _ideal(records: list[dict], tokens_per_round: float | None) -> float | None:
-    """DESIGN §4 without overheads: tokens per round / (k t_draft + RTT + t_verify(k)).
+    """docs/design.md#performance without overheads: tokens per round / (k t_draft + RTT +
+    t_verify(k)).
 
     Tokens per round is the measured one: the i.i.d. formula (1 - a^(k+1)) / (1 - a) with the
     measured per-token acceptance a underestimates it, because agreement comes in runs (code).
@@ -287,9 +288,9 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         " kept in order), 5 Mbit/s up and 20 Mbit/s down. RTT 0 is a direct loopback"
         " connection. RTT ÷ step divides RTT by the target's median forward pass here, so the"
         " CPU rows map onto a GPU cloud with the same ratio (a 20 ms step at 50 ms RTT is 2.5).",
-        "- Modes: cloud-only (the target alone, streamed); lock-step with a fixed k; lock-step"
-        " with adaptive k (edge/adaptive.py); cloud-led with adaptive speculation (the cloud"
-        " never waits for drafts, DESIGN §7); auto, the default: lock-step with adaptive k that"
+        "- Modes: cloud-only (the target alone, streamed); lock-step with a fixed k; lock-step with"
+        " adaptive k (edge/adaptive.py); cloud-led with adaptive speculation (the cloud never waits"
+        " for drafts, docs/design.md#cloud-led); auto, the default: lock-step with adaptive k that"
         " hands over to cloud-led once its measurements say that is faster (edge/mode_switch.py);"
         " auto-warm, auto on a new client given the link its cell's auto run just measured"
         " (`SplitClient(link=...)`, an app's second generation on). Every run is on a new client"
@@ -298,7 +299,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         "- tok/s = generated tokens / wall time seen at the edge, over all prompts of a row;"
         " ITL = time between successive tokens reaching the client (tokens committed together"
         " count 0); bytes are protobuf payload sizes (no HTTP/2 framing); ideal tok/s follows"
-        " DESIGN §4 from the measured acceptance, draft time, verify time and RTT.",
+        " docs/design.md#performance from the measured acceptance, draft time, verify time and"
+        " RTT.",
         "",
         "## Headline: RTT 0, greedy, code prompts",
         "",

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.overhead import measure_overhead
     from bench.report import write_report
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
     from specsplit.shared.weights.sources import resolve_model

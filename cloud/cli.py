@@ -442,7 +442,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--weights",
-        choices=("auto", "float", "gguf", "int8", "int4"),  # cloud.precision.WEIGHTS (no torch)
+        # cloud.engine.precision.WEIGHTS, spelt out: the CLI imports no torch
+        choices=("auto", "float", "gguf", "int8", "int4"),
         default=os.environ.get("SPECSPLIT_TARGET_WEIGHTS", "auto"),
         help="how the target's weights are served: float (torch, --dtype); on our batch-invariant "
         "CPU kernels: gguf (a GGUF source's own blocks, each tensor at the file's width: Q4_K, "

@@ -1,4 +1,5 @@
-"""Adaptive draft length: per round, the k that maximises expected tokens per second (DESIGN §4).
+"""Adaptive draft length: per round, the k that maximises expected tokens per second
+(docs/design.md#performance).
 
 A round of k drafts emits E(k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i tokens, where alpha_i is
 the measured acceptance at position i given d_1..d_{i-1} were accepted, and takes

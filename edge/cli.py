@@ -19,13 +19,13 @@ from specsplit.edge.client import (
     SplitClient,
     check_token_transport,
 )
+from specsplit.edge.export.ensure import ensure_draft_onnx
 from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.models import (
     DEFAULT_DRAFT,
     DEFAULT_PRECISION,
     PRECISIONS,
     cached_tokenizer_dir,
-    ensure_draft_onnx,
 )
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S

@@ -1,4 +1,4 @@
-"""Async client API for applications: the draft -> send -> commit loop of DESIGN §2.
+"""Async client API for applications: the draft -> send -> commit loop of docs/design.md#protocol.
 
     async with SplitClient("127.0.0.1:50051", drafter) as client:
         gen = client.generate(prompt_ids, GenerationConfig(max_new_tokens=64))
@@ -22,29 +22,29 @@ import asyncio
 import ipaddress
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from specsplit.edge.channel import open_channel
-from specsplit.edge.drafting import DEFAULT_Q_ENTRIES, Drafter, generate_edge_only
-from specsplit.edge.generation import Generation, GenerationStats  # noqa: F401 (re-export)
+from specsplit.edge.drafting import Drafter, generate_edge_only
+from specsplit.edge.generation import (  # noqa: F401 (GenerationConfig, GenerationStats: re-exported)
+    Generation,
+    GenerationConfig,
+    GenerationStats,
+)
 from specsplit.edge.mode_switch import MIN_ROUNDS, Link
 from specsplit.edge.proposer import Proposer, as_proposer
 from specsplit.edge.retry import (
-    DEFAULT_WINDOW_S,
     HANDSHAKE_HINT,
     Backoff,
     refused_at_handshake,
     retry_after_s,
 )
 from specsplit.edge.rounds import run_rounds
-from specsplit.edge.session_plan import AUTO, SessionPlan
+from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import SpecsplitError, Stream
-from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.protocol import pb_grpc
-from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
 from specsplit.shared.seeding import round_rng
 from specsplit.shared.session_mode import SessionMode
 
@@ -52,69 +52,6 @@ from specsplit.shared.session_mode import SessionMode
 # target alone (session mode cloud-only, spelt the same), the draft alone (no session).
 CLOUD_ONLY = SessionMode.CLOUD_ONLY.value
 MODES = ("split", CLOUD_ONLY, "edge-only")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = SamplingConfig()
-    # None: the server picks a seed per request (edge-only: the edge does) and reports it in
-    # stats.seed; give one to reproduce a run.
-    seed: int | None = None
-    # The largest k. Each round drafts the k in [0, draft_tokens] that maximises expected tokens
-    # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly draft_tokens).
-    draft_tokens: int = 8
-    adaptive: bool | None = None  # None: adapt, except in a seeded sampled run (reproducible)
-    # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
-    # compute-bound). False keeps k fixed (adaptive too): seeded sampled runs then repeat exactly
-    # whatever the cloud's load and timing (the output's distribution is the target's either way).
-    follow_hint: bool = True
-    # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
-    # waiting and verifies whatever drafts arrived in time (DESIGN §7): about as fast as
-    # cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
-    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": lock-step with adaptive k, switching
-    # to cloud-led once its measurements say that is faster (edge/mode_switch.py: a round trip
-    # long next to the cloud's step, or a draft that predicts little); lock-step with a fixed k
-    # when a run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a
-    # cloud-led or adaptive run's blocks depend on timing; greedy output never does).
-    session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
-    verification: VerificationMode | None = None  # None: greedy at temperature 0, else rejection
-    stop_ids: tuple[int, ...] = ()
-    q_entries: int = DEFAULT_Q_ENTRIES
-    # The draft samples from q quantised to this many steps and sends one byte per entry
-    # (SparseDistribution.counts); 0 samples from and sends float q (4 bytes per entry).
-    q_levels: int = Q_LEVELS
-    model: str = ""  # target model name; "" = the server's default
-    # After UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED that says when to try again,
-    # re-open from the committed sequence with backoff for up to this long per outage
-    # (edge/retry.py); never once the final verdict came.
-    retry_window_s: float = DEFAULT_WINDOW_S
-    # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
-    # guess" (its top token when greedy, its own draw with the shared numbers when sampling,
-    # edge.drafting.guess_next); used when the verdict matches (DESIGN §4). Output is the same
-    # either way.
-    draft_ahead: bool = True
-
-    @property
-    def reproducible(self) -> bool:
-        """A seeded sampled run: its blocks must not depend on timing."""
-        return self.seed is not None and not self.sampling.greedy
-
-    @property
-    def obeys_hint(self) -> bool:
-        """Lock-step blocks shrink to the cloud's hint, unless the run must repeat exactly."""
-        return self.follow_hint and not self.reproducible
-
-    @property
-    def adapts(self) -> bool:
-        adaptive = not self.reproducible if self.adaptive is None else self.adaptive
-        return adaptive and self.follow_hint
-
-    @property
-    def may_lead(self) -> bool:
-        """Lock-step rounds may switch to cloud-led (session mode auto, k adapting: a run that
-        must repeat exactly keeps lock-step with a fixed k)."""
-        return self.session_mode == AUTO and self.adapts
 
 
 def check_token_transport(address: str | None, token: str | None, secure: bool, insecure: bool):

@@ -1,4 +1,5 @@
-"""Cloud-led rounds on the edge (DESIGN §7): draft ahead continuously, never hold the cloud up.
+"""Cloud-led rounds on the edge (docs/design.md#cloud-led): draft ahead continuously, never hold the
+cloud up.
 
 The cloud streams one Verdict per target step whether or not Drafts arrive. Here the edge keeps
 a speculation: its own draft tokens after the committed prefix, extended one token at a time in

@@ -1,4 +1,9 @@
-"""What a generation hands its caller: committed chunks as they arrive, and its statistics."""
+"""A generation's terms and results: what the caller asks for (``GenerationConfig``), and what
+it is handed (committed chunks as they arrive, and the generation's statistics).
+
+``GenerationConfig`` lives here, below the client and the mode loops that all read it, so that
+none of them imports another to name it (tests/test_imports.py: no import cycle).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,82 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from specsplit.edge.drafting import DEFAULT_Q_ENTRIES
+from specsplit.edge.retry import DEFAULT_WINDOW_S
+from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
+from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
 
 if TYPE_CHECKING:
     from specsplit.shared.protocol import pb
+
+
+AUTO = "auto"  # not a session mode but a plan: lock-step, handing over to cloud-led if faster
+SESSION_MODES = (AUTO, *(m.value for m in SessionMode if m.drafts))  # GenerationConfig's
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = SamplingConfig()
+    # None: the server picks a seed per request (edge-only: the edge does) and reports it in
+    # stats.seed; give one to reproduce a run.
+    seed: int | None = None
+    # The largest k. Each round drafts the k in [0, draft_tokens] that maximises expected tokens
+    # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly draft_tokens).
+    draft_tokens: int = 8
+    adaptive: bool | None = None  # None: adapt, except in a seeded sampled run (reproducible)
+    # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
+    # compute-bound). False keeps k fixed (adaptive too): seeded sampled runs then repeat exactly
+    # whatever the cloud's load and timing (the output's distribution is the target's either way).
+    follow_hint: bool = True
+    # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
+    # waiting and verifies whatever drafts arrived in time (docs/design.md#cloud-led): about as fast
+    # as cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
+    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": lock-step with adaptive k, switching
+    # to cloud-led once its measurements say that is faster (edge/mode_switch.py: a round trip
+    # long next to the cloud's step, or a draft that predicts little); lock-step with a fixed k
+    # when a run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a
+    # cloud-led or adaptive run's blocks depend on timing; greedy output never does).
+    session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
+    verification: VerificationMode | None = None  # None: greedy at temperature 0, else rejection
+    stop_ids: tuple[int, ...] = ()
+    q_entries: int = DEFAULT_Q_ENTRIES
+    # The draft samples from q quantised to this many steps and sends one byte per entry
+    # (SparseDistribution.counts); 0 samples from and sends float q (4 bytes per entry).
+    q_levels: int = Q_LEVELS
+    model: str = ""  # target model name; "" = the server's default
+    # After UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED that says when to try again,
+    # re-open from the committed sequence with backoff for up to this long per outage
+    # (edge/retry.py); never once the final verdict came.
+    retry_window_s: float = DEFAULT_WINDOW_S
+    # While a verdict is in flight, draft the next block for "all accepted, bonus = the draft's
+    # guess" (its top token when greedy, its own draw with the shared numbers when sampling,
+    # edge.proposer.Proposer.guess_next); used when the verdict matches
+    # (docs/design.md#performance). Output is the same either way.
+    draft_ahead: bool = True
+
+    @property
+    def reproducible(self) -> bool:
+        """A seeded sampled run: its blocks must not depend on timing."""
+        return self.seed is not None and not self.sampling.greedy
+
+    @property
+    def obeys_hint(self) -> bool:
+        """Lock-step blocks shrink to the cloud's hint, unless the run must repeat exactly."""
+        return self.follow_hint and not self.reproducible
+
+    @property
+    def adapts(self) -> bool:
+        adaptive = not self.reproducible if self.adaptive is None else self.adaptive
+        return adaptive and self.follow_hint
+
+    @property
+    def may_lead(self) -> bool:
+        """Lock-step rounds may switch to cloud-led (session mode auto, k adapting: a run that
+        must repeat exactly keeps lock-step with a fixed k)."""
+        return self.session_mode == AUTO and self.adapts
 
 
 @dataclass

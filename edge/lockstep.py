@@ -1,10 +1,10 @@
-"""Lock-step rounds: draft k, send, wait for the verdict, commit (DESIGN §2).
+"""Lock-step rounds: draft k, send, wait for the verdict, commit (docs/design.md#lock-step).
 
 The loop drafts through the stream's ``Proposer`` under its ``DraftRule`` and reads the session
 plan; it sends and receives through the ``Stream``. While a verdict is in flight the next block
 is drafted for "all accepted, bonus = the draft's guess" (``Proposer.guess_next``) and used when
-the verdict matches (DESIGN §4). k is chosen per round by ``edge.adaptive.DraftLength`` unless
-the plan fixes it. In session mode ``auto`` the rounds
+the verdict matches (docs/design.md#performance). k is chosen per round by
+``edge.adaptive.DraftLength`` unless the plan fixes it. In session mode ``auto`` the rounds
 also measure whether cloud-led would be faster (``edge.mode_switch``); once it would, the next
 Draft carries ``lead`` and the stream goes on as cloud-led rounds at once, that Draft the first
 of their speculation (the cloud starts stepping without waiting as soon as it reads it).

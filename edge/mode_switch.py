@@ -1,4 +1,4 @@
-"""When a lock-step session should hand over to cloud-led (Draft.lead, DESIGN §7).
+"""When a lock-step session should hand over to cloud-led (Draft.lead, docs/design.md#handover).
 
 The two modes waste time in different places, and which wastes less depends on the link, the
 cloud's step time and how well the draft predicts the target, so ``auto`` starts lock-step and

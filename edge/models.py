@@ -1,10 +1,11 @@
-"""The draft as the edge runs it: an ONNX export, made once and cached.
+"""The draft as the edge runs it: an ONNX export, made once and cached, found here.
 
-``ensure_draft_onnx`` takes an export directory (used as is), a local Hugging Face directory, or a
-default model name (fetched and converted first). Exporting is a build step that needs the
-``export`` extra (onnx; torch, transformers and gguf to convert weights); running an export needs
-only the ``edge`` extra. So an edge that pulled its draft ahead of time, or was given an export
-directory, never needs the build-step packages.
+``find_draft_onnx`` takes an export directory (used as is), a local Hugging Face directory, or a
+default model name, and returns its cached export where there is one. Making an export that is
+missing is a build step (``edge.export.ensure.ensure_draft_onnx``, the ``export`` extra: onnx;
+torch, transformers and gguf to convert weights); running one needs only the ``edge`` extra, and
+nothing in this module imports the exporter. So an edge that pulled its draft ahead of time, or
+was given an export directory, never needs the build-step packages.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import json
 import os
 from pathlib import Path
 
-from specsplit.shared.steps import cache_dir, require_extra, spinner
+from specsplit.shared.steps import cache_dir
 from specsplit.shared.weights.sources import (
     DRAFT_DEFAULT,
     SOURCES,
     STORAGE_DTYPE,
     GgufChunkSource,
-    ensure_hf_dir,
     hf_dir_path,
     resolve_model,
 )
@@ -120,10 +120,10 @@ def content_key(hf_dir: Path) -> str:
     return key
 
 
-def ensure_draft_onnx(
-    spec: str | Path = DEFAULT_DRAFT, precision: str = DEFAULT_PRECISION, progress: bool = True
-) -> Path:
-    """ONNX draft dir for an export dir, a local HF dir or a default name; exported on first use."""
+def find_draft_onnx(spec: str | Path, precision: str) -> Path | None:
+    """The ONNX draft dir of an export dir, a local HF dir or a default name, where it is
+    already exported; None where it is not (``edge.export.ensure.ensure_draft_onnx`` makes it).
+    """
     path = Path(spec).expanduser()
     if (path / METADATA).is_file():
         return path
@@ -131,15 +131,7 @@ def ensure_draft_onnx(
     # spec must be a local HF dir (or resolve_model says clearly what is wrong).
     source = SOURCES.get(str(spec))
     hf_dir = hf_dir_path(source) if source else resolve_model(spec)
-    out = export_dir(source or hf_dir, precision)
-    for found in (out, _legacy_export_dir(hf_dir, precision)):
+    for found in (export_dir(source or hf_dir, precision), _legacy_export_dir(hf_dir, precision)):
         if (found / METADATA).is_file():
             return found
-    require_extra("export", "onnx", *(("rich",) if progress else ()))
-    if source:
-        hf_dir = ensure_hf_dir(source, progress)  # fetched and converted on first use
-    from specsplit.edge.export.exporter import export_onnx  # build step: not on the run-time path
-
-    with spinner(progress) as bar:
-        bar.add_task(f"export {hf_dir.name} to ONNX ({precision})", total=None)
-        return export_onnx(hf_dir, out, precision=precision, progress=progress)
+    return None

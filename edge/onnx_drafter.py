@@ -255,8 +255,9 @@ class OnnxDrafter:
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu")  # first: get_outputs()[0], in binding order
         self._tokens: list[int] = []
-        # An LM head over part of the vocabulary (edge.export.head_rows): the others' logits
-        # are -inf, so the draft never proposes them (its q is 0 there, which keeps it exact).
+        # An LM head over part of the vocabulary (edge.export.exporter.head_rows): the others'
+        # logits are -inf, so the draft never proposes them (its q is 0 there, which keeps it
+        # exact).
         ids = meta.get("lm_head_ids")
         self._head_ids = None if ids is None else np.load(model_dir / ids)
         log.info("draft %s (%s) on %s", meta["source"]["name"], self.precision, self.provider)

@@ -1,7 +1,7 @@
-"""When the edge tries again (DESIGN §8): after UNAVAILABLE (a gateway or Triton restarting, a
-link down), and after RESOURCE_EXHAUSTED that says when to (a cloud at its session limit or KV
-budget), with exponential backoff, never sooner than the cloud asked, for as long as a window
-allows. The window measures one outage: committed progress since the last failure starts a
+"""When the edge tries again (docs/design.md#failure): after UNAVAILABLE (a gateway or Triton
+restarting, a link down), and after RESOURCE_EXHAUSTED that says when to (a cloud at its session
+limit or KV budget), with exponential backoff, never sooner than the cloud asked, for as long as a
+window allows. The window measures one outage: committed progress since the last failure starts a
 fresh one. A refusal without a hint (a client over its own quota) is not retried."""
 
 from __future__ import annotations

@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from specsplit.edge.generation import AUTO, SESSION_MODES, GenerationConfig
 from specsplit.edge.mode_switch import LeadChoice, Link
 from specsplit.edge.stream import SpecsplitError
 from specsplit.shared.protocol import PB_TO_SESSION_MODE, pb
 from specsplit.shared.session_mode import SessionMode
-
-if TYPE_CHECKING:
-    from specsplit.edge.client import GenerationConfig
-
-AUTO = "auto"  # not a session mode but a plan: lock-step, handing over to cloud-led if faster
-SESSION_MODES = (AUTO, *(m.value for m in SessionMode if m.drafts))  # GenerationConfig's
 
 
 @dataclass(frozen=True)

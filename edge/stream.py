@@ -27,8 +27,7 @@ from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
 
 if TYPE_CHECKING:
-    from specsplit.edge.client import GenerationConfig
-    from specsplit.edge.generation import GenerationStats
+    from specsplit.edge.generation import GenerationConfig, GenerationStats
 
 
 class SpecsplitError(RuntimeError):

@@ -1,4 +1,4 @@
-"""Lossless acceptance rules for one verification round (DESIGN §2).
+"""Lossless acceptance rules for one verification round (docs/design.md#lossless).
 
 Vocabulary, used everywhere in specsplit:
 - draft tokens ``d_1..d_k``: what the edge proposes after the committed prefix.

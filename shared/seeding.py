@@ -1,10 +1,10 @@
 """Per-round random generators.
 
 Randomness is a function of (seed, side, position), not a stream that advances with each call:
-a session re-opened after a cloud failure (DESIGN §2) draws the very same numbers at the same
-positions, so the output is unchanged. The verifier's accept tests and corrections use a stream
-of their own (``side`` "verify"): a draft drawn with the numbers an accept test reads would bias
-that test. The numbers both sides do share (shared/coupling.py) only feed draws that no accept
+a session re-opened after a cloud failure (docs/design.md#failure) draws the very same numbers at
+the same positions, so the output is unchanged. The verifier's accept tests and corrections use a
+stream of their own (``side`` "verify"): a draft drawn with the numbers an accept test reads would
+bias that test. The numbers both sides do share (shared/coupling.py) only feed draws that no accept
 test reads.
 """
 

@@ -1,9 +1,9 @@
 """How a session's rounds run, spelt once for the wire, both sides, the CLIs and the metrics.
 
 - ``lock-step``: the edge drafts a block, the cloud verifies it in one target step and answers;
-  each waits for the other (DESIGN §2).
+  each waits for the other (docs/design.md#lock-step).
 - ``cloud-led``: the target steps continuously and verifies whatever Drafts arrived in time
-  (DESIGN §7).
+  (docs/design.md#cloud-led).
 - ``cloud-only``: no Drafts; the target generates alone (the baseline).
 
 The edge's ``auto`` is not a session mode but a plan: start lock-step (or cloud-led when the

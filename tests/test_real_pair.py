@@ -1,4 +1,4 @@
-"""Smoke test of the main path with the real default pair (DESIGN §5).
+"""Smoke test of the main path with the real default pair (docs/design.md#models).
 
 Real Triton serving Qwen2.5-Coder-1.5B-Instruct with the defaults (on a CPU: the weights the load
 calibration picks, int4 from the Q4_K_M source where the CPU kernels build), the real ONNX (int8)
@@ -33,7 +33,7 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def pair():
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.shared.weights.sources import resolve_model
 
     return resolve_model(TARGET_DEFAULT.name), ensure_draft_onnx(DRAFT_DEFAULT.name, "int8")

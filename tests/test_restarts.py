@@ -1,6 +1,6 @@
-"""Nothing lost when a process dies or the link drops (DESIGN §8), on real processes: tritonserver
-or its Python backend stub SIGKILLed under `serve`, the gateway SIGKILLed and started again on
-its port, a 2 s outage in the delay proxy. Each generation must come out exactly as an
+"""Nothing lost when a process dies or the link drops (docs/design.md#failure), on real processes:
+tritonserver or its Python backend stub SIGKILLed under `serve`, the gateway SIGKILLed and started
+again on its port, a 2 s outage in the delay proxy. Each generation must come out exactly as an
 uninterrupted one: the target's greedy output, or the same seeded sample."""
 
 from __future__ import annotations

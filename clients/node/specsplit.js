@@ -4,7 +4,7 @@
 //
 // generate() runs one generation on one bidirectional stream:
 //   Start -> Started, then (split) Draft{round, base_len, tokens} -> Verdict per round, or
-//   (cloud_only) a Verdict per token, until a Verdict with finished; then Finished, and the
+//   (session mode CLOUD_ONLY) a Verdict per token, until a Verdict with finished; then Finished, and the
 //   client half-closes. Drafts come from the caller (`drafts`: blocks sent in order; once they
 //   run out, empty blocks, each asking the cloud for one target token).
 
@@ -63,7 +63,7 @@ async function generate(client, {
       protocol_version: 'PROTOCOL_VERSION_1',
       prompt_ids: promptIds,
       sampling,
-      cloud_only: cloudOnly,
+      session_mode: cloudOnly ? 'SESSION_MODE_CLOUD_ONLY' : 'SESSION_MODE_LOCK_STEP',
     },
   });
 

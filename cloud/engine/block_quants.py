@@ -20,6 +20,8 @@ which both kernels equal bit for bit.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -215,18 +217,9 @@ def gemm(fmt: str, x: cpu_kernels.QuantizedRows, w: KernelWeights) -> torch.Tens
     lib = cpu_kernels.library()
     fn = lib.specsplit_block_gemm if w.backend == "avx2" else lib.specsplit_block_gemm_vnni
     high = w.tensors[1].data_ptr() if fmt == "q5_0" else None
-    fn(
-        FORMATS.index(fmt),
-        x.xq.data_ptr(),
-        x.xs.data_ptr(),
-        x.xsum.data_ptr(),
-        x.rows,
-        x.k,
-        w.tensors[0].data_ptr(),
-        high,
-        w.tensors[-1].data_ptr(),
-        w.n,
-        out.data_ptr(),
-        torch.get_num_threads(),
+    weights = cpu_kernels.BlockWeights(
+        FORMATS.index(fmt), w.n, w.tensors[0].data_ptr(), high, w.tensors[-1].data_ptr()
     )
+    rows = ctypes.byref(x.c_rows())
+    fn(rows, ctypes.byref(weights), out.data_ptr(), torch.get_num_threads())
     return out

@@ -10,8 +10,10 @@ result does not depend on the other rows or sessions in the pass, nor on the thr
    H heads per row, `hstride` floats apart, rows `stride` floats apart; cos/sin [R, D].
    x[i] <- x[i] cos[i] - x[i + D/2] sin[i] and x[i + D/2] <- x[i + D/2] cos[i + D/2] +
    x[i] sin[i + D/2], for i < D/2; a head's values past D (partial rotary) stay as they are. */
-void specsplit_rope(float *x, int64_t R, int64_t stride, int64_t H, int64_t hstride, int64_t D,
-                    const float *cos, const float *sin) {
+void specsplit_rope(const specsplit_heads *heads, const float *cos, const float *sin) {
+    float *x = heads->x;
+    const int64_t R = heads->rows, stride = heads->stride, H = heads->heads;
+    const int64_t hstride = heads->head_stride, D = heads->dim;
     const int64_t half = D / 2;
     for (int64_t r = 0; r < R; r++)
         for (int64_t h = 0; h < H; h++) {
@@ -33,29 +35,6 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
     for (int64_t d = 0; d < D; d += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
     return hsum8(acc);
-}
-
-/* e^x for x <= 0 (scores minus their peak), 8 at a time: 2^n * P(r), x = n ln2 + r, |r| <=
-   ln2 / 2, P of degree 6 (Cephes' expf: ~1 ulp); below -87.3 the result is 0. Deterministic,
-   so a row's softmax does not depend on what else is in the pass. */
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 low = _mm256_set1_ps(-87.3f);
-    const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, low);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, y);
 }
 
 /* e^(p[j] - max p) in place for j < n; returns their sum (added in a fixed order). */
@@ -84,9 +63,9 @@ static inline float exp_shifted(float *p, int64_t n) {
 /* Attention of `group` query heads (q [group, D]) that share one kv head over ctx positions:
    keys/values [ctx, D] (D floats apart); p [group, ctx] scratch; out [group, D]. Each key and
    value is read once for the whole group. */
-static inline void attend_group(const float *q, const float *keys, const float *values,
-                                int64_t ctx, int64_t group, int64_t D, float scale,
-                                float softcap, float *p, float *out) {
+static inline void attend_group(const float *q, const float *keys, const float *values, int64_t ctx,
+                                int64_t group, int64_t D, float scale, float softcap, float *p,
+                                float *out) {
     for (int64_t j = 0; j < ctx; j++)
         for (int64_t g = 0; g < group; g++) {
             float v = dot_f32(q + g * D, keys + j * D, D) * scale;
@@ -107,7 +86,8 @@ static inline void attend_group(const float *q, const float *keys, const float *
                     if (8 * i < w) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
             }
             for (int i = 0; i < 8; i++)
-                if (8 * i < w) _mm256_storeu_ps(out + g * D + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
+                if (8 * i < w)
+                    _mm256_storeu_ps(out + g * D + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
         }
     }
 }
@@ -117,8 +97,10 @@ static inline int64_t segment_of(const int64_t *row0, int64_t nseg, int64_t r) {
     int64_t lo = 0, hi = nseg - 1;
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (row0[mid] <= r) lo = mid;
-        else hi = mid - 1;
+        if (row0[mid] <= r)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     return lo;
 }
@@ -131,11 +113,14 @@ static inline int64_t segment_of(const int64_t *row0, int64_t nseg, int64_t r) {
    lo..p in position order, lo = 0, or p - window + 1 with a sliding window (window > 0).
    Scores are q.k * scale, soft-capped (softcap > 0: softcap * tanh(score / softcap), Gemma 2).
    Returns 0, or -1 (nothing computed) when its scratch memory cannot be allocated. */
-int specsplit_attention(const float *q, const float *k_new, const float *v_new, int64_t H,
-                        int64_t KVH, int64_t D, int64_t nseg, float *const *slot, int64_t layer,
-                        const int64_t *cap, const int64_t *start, const int64_t *len,
-                        const int64_t *row0, float scale, int64_t window, float softcap,
+int specsplit_attention(const specsplit_attention_args *a, const specsplit_segments *seg,
                         float *out, int nt) {
+    const float *q = a->q, *k_new = a->k_new, *v_new = a->v_new;
+    const int64_t H = a->heads, KVH = a->kv_heads, D = a->head_dim, layer = a->layer;
+    const float scale = a->scale, softcap = a->softcap;
+    const int64_t window = a->window, nseg = seg->count;
+    float *const *slot = seg->slot;
+    const int64_t *cap = seg->cap, *start = seg->start, *len = seg->len, *row0 = seg->row0;
     const int64_t group = H / KVH;
     if (nt < 1) nt = 1;
     int64_t rows = 0, widest = 1; /* the most positions one row attends to */
@@ -154,8 +139,7 @@ int specsplit_attention(const float *q, const float *k_new, const float *v_new, 
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t r = row0[s] + i, at = (h * cap[s] + start[s] + i) * D;
                 memcpy(cache + at, k_new + (r * KVH + h) * D, D * sizeof(float));
-                memcpy(cache + KVH * cap[s] * D + at, v_new + (r * KVH + h) * D,
-                       D * sizeof(float));
+                memcpy(cache + KVH * cap[s] * D + at, v_new + (r * KVH + h) * D, D * sizeof(float));
             }
     }
     /* One task per (row, kv head): its query heads share every key and value read. */
@@ -168,8 +152,8 @@ int specsplit_attention(const float *q, const float *k_new, const float *v_new, 
         const float *keys = cache + kvh * cap[s] * D + lo * D;
         const float *values = cache + (KVH + kvh) * cap[s] * D + lo * D;
         float *p = scratch + (int64_t)omp_get_thread_num() * group * widest; /* p[g * ctx + j] */
-        attend_group(q + (r * H + kvh * group) * D, keys, values, ctx, group, D, scale, softcap,
-                     p, out + (r * H + kvh * group) * D);
+        attend_group(q + (r * H + kvh * group) * D, keys, values, ctx, group, D, scale, softcap, p,
+                     out + (r * H + kvh * group) * D);
     }
     free(scratch);
     return 0;

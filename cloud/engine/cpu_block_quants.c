@@ -44,13 +44,22 @@ in natural order. */
 
 #define QK 32
 #define ROWS 4 /* rows per tile: each tile reads a block's weights once */
-enum block_format { Q8_0 = 0, Q5_0 = 1, Q4_0 = 2 }; /* block_quants.FORMATS' order */
+/* block_quants.FORMATS' order, the formats 0, 1, 2 of SPECSPLIT_FOR_EACH_FORMAT */
+enum block_format { Q8_0 = 0, Q5_0 = 1, Q4_0 = 2 };
 
 /* One group's weights of a block of L columns in each stream. */
-typedef struct { int8_t v[8][16][4]; } q8_0_group16;
-typedef struct { int8_t v[8][8][4]; } q8_0_group8;
-typedef struct { uint8_t nib[4][16][4]; } nibbles_group16;
-typedef struct { uint8_t nib[4][8][4]; } nibbles_group8;
+typedef struct {
+    int8_t v[8][16][4];
+} q8_0_group16;
+typedef struct {
+    int8_t v[8][8][4];
+} q8_0_group8;
+typedef struct {
+    uint8_t nib[4][16][4];
+} nibbles_group16;
+typedef struct {
+    uint8_t nib[4][8][4];
+} nibbles_group8;
 _Static_assert(sizeof(q8_0_group16) == 16 * QK, "q8_0: a byte per weight");
 _Static_assert(sizeof(q8_0_group8) == 8 * QK, "q8_0: a byte per weight");
 _Static_assert(sizeof(nibbles_group16) == 16 * QK / 2, "two weights a byte");
@@ -71,7 +80,8 @@ static inline int32_t load_i32(const void *p) { /* no strict-aliasing cast */
 /* u - v of the kernels' unsigned levels (AVX2 reads q8_0 signed: it uses bias only for q5_0, q4_0) */
 static inline int32_t bias(const int fmt) { return fmt == Q8_0 ? 128 : (fmt == Q5_0 ? 16 : 8); }
 
-/* The arguments of one call (the exported functions take them one by one, for ctypes). */
+/* One call's arguments, flattened for the kernels below (the exported functions take the
+   header's structs). */
 typedef struct {
     const int8_t *xq;
     const float *xs;
@@ -84,6 +94,14 @@ typedef struct {
     float *out;
     int64_t groups; /* in each stream: blocks of columns x K / 32 */
 } block_gemm_args;
+
+/* blocks: blocks of columns (8 or 16 lanes each) in the weights' layout. */
+static inline block_gemm_args call_args(const specsplit_rows *x, const specsplit_block_weights *w,
+                                        float *out, int64_t blocks) {
+    const block_gemm_args a = {
+        x->xq, x->xs, x->xsum, x->m, x->k, w->v, w->high, w->d, w->n, out, blocks * (x->k / QK)};
+    return a;
+}
 
 /* q5_0 reads three streams and does the most work a byte: the hardware prefetcher alone left
    it 13-20% below q4_0's GB/s on EPYC (one core, one row, K = 896; both kernels). Asking for
@@ -113,8 +131,9 @@ static inline int64_t paired_offset(int64_t g, int j) {
 
 /* Vectors j0 .. j0 + 3 of one group's weights as the bytes maddubs takes first (unsigned):
    |v| for q8_0 (the activations take v's sign), else u. */
-static inline __attribute__((always_inline)) AVX2_TARGET void avx2_weights(
-    const int fmt, const block_gemm_args *a, int64_t at, int j0, __m256i *w, __m256i *sgn) {
+static inline __attribute__((always_inline)) AVX2_TARGET void
+avx2_weights(const int fmt, const block_gemm_args *a, int64_t at, int j0, __m256i *w,
+             __m256i *sgn) {
     if (fmt == Q8_0) {
         const q8_0_group8 *q = (const q8_0_group8 *)a->v + at;
         for (int j = 0; j < 4; j++) {
@@ -141,8 +160,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void avx2_weights(
     }
 }
 
-static inline __attribute__((always_inline)) AVX2_TARGET void avx2_tile(
-    const int fmt, const int rt, const block_gemm_args *a, int64_t cb, int64_t r0) {
+static inline __attribute__((always_inline)) AVX2_TARGET void
+avx2_tile(const int fmt, const int rt, const block_gemm_args *a, int64_t cb, int64_t r0) {
     const int64_t K = a->K, G = K / QK, P = groups_per_block(K), B = G / P;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROWS];
@@ -166,7 +185,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void avx2_tile(
                     p[j] = _mm256_maddubs_epi16(w[j], xb);
                 }
                 if (fmt == Q8_0) { /* |pairs| <= 2 * 128 * 127: widen each */
-                    for (int j = 0; j < 4; j++) S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(p[j], ones));
+                    for (int j = 0; j < 4; j++)
+                        S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(p[j], ones));
                 } else { /* four of at most 2 * 31 * 127 add in 16 bits */
                     const __m256i t = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]),
                                                        _mm256_add_epi16(p[2], p[3]));
@@ -174,7 +194,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void avx2_tile(
                 }
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->d + at * AVX2_LANES)));
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->d + at * AVX2_LANES)));
         for (int i = 0; i < rt; i++) {
             const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(a->xs[(r0 + i) * B + g / P]));
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(S[i]), dx));
@@ -183,7 +204,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void avx2_tile(
     const int64_t n0 = cb * AVX2_LANES, live = a->N - n0 < AVX2_LANES ? a->N - n0 : AVX2_LANES;
     for (int i = 0; i < rt; i++) {
         float *o = a->out + (r0 + i) * a->N + n0;
-        if (live == AVX2_LANES) _mm256_storeu_ps(o, acc[i]);
+        if (live == AVX2_LANES)
+            _mm256_storeu_ps(o, acc[i]);
         else {
             float t[AVX2_LANES];
             _mm256_storeu_ps(t, acc[i]);
@@ -192,8 +214,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void avx2_tile(
     }
 }
 
-static inline __attribute__((always_inline)) AVX2_TARGET void avx2_block(
-    const int fmt, const block_gemm_args *a, int64_t cb) {
+static inline __attribute__((always_inline)) AVX2_TARGET void
+avx2_block(const int fmt, const block_gemm_args *a, int64_t cb) {
     int64_t r0 = 0;
     for (; r0 + ROWS <= a->M; r0 += ROWS) avx2_tile(fmt, ROWS, a, cb, r0);
     switch (a->M - r0) { /* the same per-row work as in a full tile, fewer rows */
@@ -204,24 +226,15 @@ static inline __attribute__((always_inline)) AVX2_TARGET void avx2_block(
     }
 }
 
-/* out[M, N] = x @ w.T for weights of ``fmt`` (enum block_format) in the columns layout of 8;
-   activations in the paired layout. high: q5_0's high bits, else NULL. */
-AVX2_TARGET void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs,
-                                      const int16_t *xsum, int64_t M, int64_t K,
-                                      const uint8_t *v, const uint32_t *high, const uint16_t *d,
-                                      int64_t N, float *out, int nt) {
-    const int64_t blocks = (N + AVX2_LANES - 1) / AVX2_LANES;
-    const block_gemm_args a = {xq, xs, xsum, M, K, v, high, d, N, out, blocks * (K / QK)};
-    if (fmt == Q8_0) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) avx2_block(Q8_0, &a, cb);
-    } else if (fmt == Q5_0) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) avx2_block(Q5_0, &a, cb);
-    } else {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) avx2_block(Q4_0, &a, cb);
-    }
+/* out[M, N] = x @ w.T for weights of w->fmt (enum block_format) in the columns layout of 8;
+   activations in the paired layout. */
+AVX2_TARGET void specsplit_block_gemm(const specsplit_rows *x, const specsplit_block_weights *w,
+                                      float *out, int nt) {
+    const int64_t blocks = (w->n + AVX2_LANES - 1) / AVX2_LANES;
+    const block_gemm_args a = call_args(x, w, out, blocks);
+#define AVX2_BLOCK(F, cb) avx2_block(F, &a, cb)
+    SPECSPLIT_FOR_EACH_FORMAT(w->fmt, blocks, cb, AVX2_BLOCK)
+#undef AVX2_BLOCK
 }
 
 /* ---- AVX-512 VNNI: 16 columns a vector ---- */
@@ -230,8 +243,8 @@ AVX2_TARGET void specsplit_block_gemm(int fmt, const int8_t *xq, const float *xs
 #define LANES 16
 
 /* One group's eight weight vectors as unsigned bytes u (q8_0: v + 128, stored so). */
-static inline __attribute__((always_inline)) VNNI_TARGET void vnni_weights(
-    const int fmt, const block_gemm_args *a, int64_t at, __m512i *w) {
+static inline __attribute__((always_inline)) VNNI_TARGET void
+vnni_weights(const int fmt, const block_gemm_args *a, int64_t at, __m512i *w) {
     if (fmt == Q8_0) {
         const q8_0_group16 *q = (const q8_0_group16 *)a->v + at;
         for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(q->v[j]);
@@ -255,8 +268,8 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_weights(
     }
 }
 
-static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
-    const int fmt, const int rt, const block_gemm_args *a, int64_t cb, int64_t r0) {
+static inline __attribute__((always_inline)) VNNI_TARGET void
+vnni_tile(const int fmt, const int rt, const block_gemm_args *a, int64_t cb, int64_t r0) {
     const int64_t K = a->K, G = K / QK, P = groups_per_block(K), B = G / P;
     __m512 acc[ROWS];
     for (int i = 0; i < rt; i++) acc[i] = _mm512_setzero_ps();
@@ -285,8 +298,8 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
     for (int i = 0; i < rt; i++) _mm512_mask_storeu_ps(a->out + (r0 + i) * a->N + n0, keep, acc[i]);
 }
 
-static inline __attribute__((always_inline)) VNNI_TARGET void vnni_block(
-    const int fmt, const block_gemm_args *a, int64_t cb) {
+static inline __attribute__((always_inline)) VNNI_TARGET void
+vnni_block(const int fmt, const block_gemm_args *a, int64_t cb) {
     int64_t r0 = 0;
     for (; r0 + ROWS <= a->M; r0 += ROWS) vnni_tile(fmt, ROWS, a, cb, r0);
     switch (a->M - r0) {
@@ -298,20 +311,11 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_block(
 }
 
 /* specsplit_block_gemm for the columns layout of 16; activations in natural order. */
-VNNI_TARGET void specsplit_block_gemm_vnni(int fmt, const int8_t *xq, const float *xs,
-                                           const int16_t *xsum, int64_t M, int64_t K,
-                                           const uint8_t *v, const uint32_t *high,
-                                           const uint16_t *d, int64_t N, float *out, int nt) {
-    const int64_t blocks = (N + LANES - 1) / LANES;
-    const block_gemm_args a = {xq, xs, xsum, M, K, v, high, d, N, out, blocks * (K / QK)};
-    if (fmt == Q8_0) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) vnni_block(Q8_0, &a, cb);
-    } else if (fmt == Q5_0) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) vnni_block(Q5_0, &a, cb);
-    } else {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) vnni_block(Q4_0, &a, cb);
-    }
+VNNI_TARGET void specsplit_block_gemm_vnni(const specsplit_rows *x,
+                                           const specsplit_block_weights *w, float *out, int nt) {
+    const int64_t blocks = (w->n + LANES - 1) / LANES;
+    const block_gemm_args a = call_args(x, w, out, blocks);
+#define VNNI_BLOCK(F, cb) vnni_block(F, &a, cb)
+    SPECSPLIT_FOR_EACH_FORMAT(w->fmt, blocks, cb, VNNI_BLOCK)
+#undef VNNI_BLOCK
 }

@@ -115,9 +115,13 @@ void quantize_block(const float *v, int64_t L, int8_t *q, float *xs, int16_t *xs
 }
 
 /* x [M, K] -> xq [M, K] (paired or natural layout), xs [M, B] (one scale per super-block),
-   xsum [M, G] (sum of xq per group, int16: |sum| <= 32 * 127); B = K / (32 * per_block(K)). */
-void specsplit_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs,
-                             int16_t *xsum, int paired, int nt) {
+   xsum [M, G] (sum of xq per group, int16: |sum| <= 32 * 127); B = K / (32 * per_block(K));
+   M, K and the outputs are `out`'s. */
+void specsplit_quantize_rows(const float *x, const specsplit_rows *out, int paired, int nt) {
+    const int64_t M = out->m, K = out->k;
+    int8_t *xq = out->xq;
+    float *xs = out->xs;
+    int16_t *xsum = out->xsum;
     const int64_t L = QK * per_block(K), B = K / L;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
     for (int64_t rb = 0; rb < M * B; rb++)
@@ -126,8 +130,12 @@ void specsplit_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, f
 
 /* RMSNorm then quantisation, as specsplit_quantize_rows of y: y[r, k] = w[k] * (x[r, k] *
    (1 / sqrt(mean_k x[r, k]^2 + eps))) (Llama's and Qwen2's norm), never stored in float. */
-void specsplit_rmsnorm_quantize(const float *x, const float *w, float eps, int64_t M, int64_t K,
-                                int8_t *xq, float *xs, int16_t *xsum, int paired, int nt) {
+void specsplit_rmsnorm_quantize(const float *x, const float *w, float eps,
+                                const specsplit_rows *out, int paired, int nt) {
+    const int64_t M = out->m, K = out->k;
+    int8_t *xq = out->xq;
+    float *xs = out->xs;
+    int16_t *xsum = out->xsum;
     const int64_t L = QK * per_block(K), B = K / L;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
     for (int64_t r = 0; r < M; r++) {
@@ -154,7 +162,8 @@ void specsplit_rmsnorm_quantize(const float *x, const float *w, float eps, int64
 static inline __m128i block_scales(const int four, const void *sc, int64_t at, int64_t P) {
     if (P == 8)
         return four ? _mm_loadu_si128((const __m128i *)((const uint16_t *)sc + at))
-                    : _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)sc + at)));
+                    : _mm_cvtepu8_epi16(
+                          _mm_loadl_epi64((const __m128i *)((const uint8_t *)sc + at)));
     uint16_t v[8] = {0};
     for (int64_t g = 0; g < P; g++)
         v[g] = four ? ((const uint16_t *)sc)[at + g] : ((const uint8_t *)sc)[at + g];
@@ -164,9 +173,9 @@ static inline __m128i block_scales(const int four, const void *sc, int64_t at, i
 /* pshufb masks: pair j of a super-block's broadcast scales -> [sc[2j] x 8 | sc[2j+1] x 8] */
 static inline __m256i pair_mask(int64_t j) {
     const char a = (char)(4 * j), b = (char)(4 * j + 2);
-    return _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
-                            a, a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
-                            b, b + 1, b, b + 1);
+    return _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a,
+                            a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b,
+                            b + 1, b, b + 1);
 }
 
 static inline int32_t hsum4_epi32(__m128i t) {
@@ -184,17 +193,18 @@ static inline int32_t hsum4_epi32(__m128i t) {
    before one multiply-add by the pair's scales; int8 (products up to 2 * 127 * 127) takes a
    multiply-add per half. One tile of rt rows (a compile-time constant after inlining, so the
    accumulators live in registers) against column n. */
-static inline __attribute__((always_inline)) void gemm_tile(
-    const int four, const int rt, const int8_t *xq, const float *xs, const int16_t *xsum,
-    int64_t K, const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
-    const float *dm, int64_t N, float *out, int64_t n, int64_t r0) {
+static inline __attribute__((always_inline)) void
+gemm_tile(const int four, const int rt, const int8_t *xq, const float *xs, const int16_t *xsum,
+          int64_t K, const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
+          const float *dm, int64_t N, float *out, int64_t n, int64_t r0) {
     const int64_t P = per_block(K), G = K / QK, B = G / P;
     const uint8_t *wrow = wq + n * (four ? K / 2 : K);
     const __m256i low = _mm256_set1_epi8(0x0F);
     float acc[TILE], offset[TILE];
     for (int i = 0; i < rt; i++) acc[i] = offset[i] = 0.0f;
     for (int64_t b = 0; b < B; b++) {
-        const __m256i scales = _mm256_broadcastsi128_si256(block_scales(four, sc, n * G + b * P, P));
+        const __m256i scales =
+            _mm256_broadcastsi128_si256(block_scales(four, sc, n * G + b * P, P));
         __m256i sumi[TILE];
         for (int i = 0; i < rt; i++) sumi[i] = _mm256_setzero_si256();
         for (int64_t j = 0; j < P / 2; j++) {
@@ -220,8 +230,9 @@ static inline __attribute__((always_inline)) void gemm_tile(
                     const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w0);
                     const __m256i x1 =
                         _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + 32)), w1);
-                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), s),
-                                                       _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), s));
+                    const __m256i p =
+                        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), s),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), s));
                     sumi[i] = _mm256_add_epi32(sumi[i], p);
                 }
             }
@@ -233,7 +244,8 @@ static inline __attribute__((always_inline)) void gemm_tile(
             if (four) { /* sum over the block's groups of mn * sum(xq): exact integers */
                 const int16_t *xs16 = xsum + (r0 + i) * G + b * P;
                 __m128i xv;
-                if (P == 8) xv = _mm_loadu_si128((const __m128i *)xs16);
+                if (P == 8)
+                    xv = _mm_loadu_si128((const __m128i *)xs16);
                 else {
                     int16_t v[8] = {0};
                     for (int64_t g = 0; g < P; g++) v[g] = xs16[g];
@@ -247,10 +259,10 @@ static inline __attribute__((always_inline)) void gemm_tile(
     for (int i = 0; i < rt; i++) out[(r0 + i) * N + n] = acc[i] - offset[i];
 }
 
-static inline __attribute__((always_inline)) void gemm_column(
-    const int four, const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M, int64_t K,
-    const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn, const float *dm,
-    int64_t N, float *out, int64_t n) {
+static inline __attribute__((always_inline)) void
+gemm_column(const int four, const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M,
+            int64_t K, const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
+            const float *dm, int64_t N, float *out, int64_t n) {
     const int64_t bytes = four ? K / 2 : K; /* one column's weights */
     if (bytes <= PREFETCH_COLUMN && (n + 1) * bytes + PREFETCH <= N * bytes) {
         const char *ahead = (const char *)wq + n * bytes + PREFETCH;
@@ -267,15 +279,23 @@ static inline __attribute__((always_inline)) void gemm_column(
     }
 }
 
-void specsplit_gemm(const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M, int64_t K,
-                    const uint8_t *wq, const void *sc, const float *d, const uint16_t *mn,
-                    const float *dm, int64_t N, float *out, int nt) {
+void specsplit_gemm(const specsplit_rows *x, const specsplit_weights *w, float *out, int nt) {
+    const int8_t *xq = x->xq;
+    const float *xs = x->xs;
+    const int16_t *xsum = x->xsum;
+    const int64_t M = x->m, K = x->k, N = w->n;
+    const uint8_t *wq = w->q;
+    const void *sc = w->sc;
+    const float *d = w->d, *dm = w->dm;
+    const uint16_t *mn = w->mn;
     if (mn != NULL) {
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t n = 0; n < N; n++) gemm_column(1, xq, xs, xsum, M, K, wq, sc, d, mn, dm, N, out, n);
+        for (int64_t n = 0; n < N; n++)
+            gemm_column(1, xq, xs, xsum, M, K, wq, sc, d, mn, dm, N, out, n);
     } else {
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t n = 0; n < N; n++) gemm_column(0, xq, xs, xsum, M, K, wq, sc, d, mn, dm, N, out, n);
+        for (int64_t n = 0; n < N; n++)
+            gemm_column(0, xq, xs, xsum, M, K, wq, sc, d, mn, dm, N, out, n);
     }
 }
 
@@ -296,10 +316,10 @@ int specsplit_has_avx512vnni(void) {
    chains, then one multiply by the group's integer scale into the block's exact sum. The
    correction terms (int4: mn * xsum; int8: the +128 bias, 128 * sc * xsum) take one vpdpwssd
    per pair of groups. Floats once per super-block, in the canonical order. */
-static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
-    const int four, const int rt, const int8_t *xq, const float *xs, const int16_t *xsum,
-    int64_t K, const uint8_t *wq, const uint16_t *sc, const float *d, const uint16_t *mn,
-    const float *dm, int64_t N, float *out, int64_t cb, int64_t r0) {
+static inline __attribute__((always_inline)) VNNI_TARGET void
+vnni_tile(const int four, const int rt, const int8_t *xq, const float *xs, const int16_t *xsum,
+          int64_t K, const uint8_t *wq, const uint16_t *sc, const float *d, const uint16_t *mn,
+          const float *dm, int64_t N, float *out, int64_t cb, int64_t r0) {
     const int64_t P = per_block(K), G = K / QK, B = G / P;
     const int64_t gbytes = four ? LANES * QK / 2 : LANES * QK; /* one group of the block */
     const uint8_t *wb = wq + cb * G * gbytes;
@@ -350,10 +370,11 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
             const __m512 dx = _mm512_set1_ps(xs[(r0 + i) * B + b]);
             if (!four) /* remove the +128 bias: sum(sc * (q + 128) * x) - 128 * sum(sc * xsum) */
                 S[i] = _mm512_sub_epi32(S[i], _mm512_slli_epi32(M[i], 7));
-            a[i] = _mm512_add_ps(a[i], _mm512_mul_ps(_mm512_cvtepi32_ps(S[i]), _mm512_mul_ps(dv, dx)));
+            a[i] =
+                _mm512_add_ps(a[i], _mm512_mul_ps(_mm512_cvtepi32_ps(S[i]), _mm512_mul_ps(dv, dx)));
             if (four)
-                o[i] = _mm512_add_ps(o[i],
-                                     _mm512_mul_ps(_mm512_cvtepi32_ps(M[i]), _mm512_mul_ps(dmv, dx)));
+                o[i] = _mm512_add_ps(
+                    o[i], _mm512_mul_ps(_mm512_cvtepi32_ps(M[i]), _mm512_mul_ps(dmv, dx)));
         }
     }
     const int64_t n0 = cb * LANES;
@@ -362,10 +383,10 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
         _mm512_mask_storeu_ps(out + (r0 + i) * N + n0, keep, _mm512_sub_ps(a[i], o[i]));
 }
 
-static inline __attribute__((always_inline)) VNNI_TARGET void vnni_block(
-    const int four, const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M, int64_t K,
-    const uint8_t *wq, const uint16_t *sc, const float *d, const uint16_t *mn, const float *dm,
-    int64_t N, float *out, int64_t cb) {
+static inline __attribute__((always_inline)) VNNI_TARGET void
+vnni_block(const int four, const int8_t *xq, const float *xs, const int16_t *xsum, int64_t M,
+           int64_t K, const uint8_t *wq, const uint16_t *sc, const float *d, const uint16_t *mn,
+           const float *dm, int64_t N, float *out, int64_t cb) {
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE)
         vnni_tile(four, TILE, xq, xs, xsum, K, wq, sc, d, mn, dm, N, out, cb, r0);
@@ -379,10 +400,16 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_block(
 
 /* out[M, N] = x @ w.T in the "columns" layout (N padded to whole blocks of 16 in the weights;
    only N columns are written); activations in natural order. mn == NULL: int8. */
-VNNI_TARGET void specsplit_gemm_vnni(const int8_t *xq, const float *xs, const int16_t *xsum,
-                                     int64_t M, int64_t K, const uint8_t *wq, const uint16_t *sc,
-                                     const float *d, const uint16_t *mn, const float *dm,
-                                     int64_t N, float *out, int nt) {
+VNNI_TARGET void specsplit_gemm_vnni(const specsplit_rows *x, const specsplit_weights *w,
+                                     float *out, int nt) {
+    const int8_t *xq = x->xq;
+    const float *xs = x->xs;
+    const int16_t *xsum = x->xsum;
+    const int64_t M = x->m, K = x->k, N = w->n;
+    const uint8_t *wq = w->q;
+    const uint16_t *sc = (const uint16_t *)w->sc;
+    const float *d = w->d, *dm = w->dm;
+    const uint16_t *mn = w->mn;
     const int64_t blocks = (N + LANES - 1) / LANES;
     if (mn != NULL) {
 #pragma omp parallel for num_threads(nt) schedule(static)

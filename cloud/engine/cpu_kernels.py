@@ -84,23 +84,105 @@ SLOW_FALLBACK = (
 )
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+# The header's parameter structs (cpu_kernels.h), field for field; a struct is passed by
+# pointer (ctypes.byref), so the table below reads it as a pointer.
+class Rows(ctypes.Structure):  # specsplit_rows
+    _fields_ = [
+        ("m", _I64),
+        ("k", _I64),
+        ("xq", _P),
+        ("xs", _P),
+        ("xsum", _P),
+        ("xsum16", _P),  # q6_k's scratch, else None
+    ]
+
+
+class Weights(ctypes.Structure):  # specsplit_weights: our int8 / int4
+    _fields_ = [("n", _I64), ("q", _P), ("sc", _P), ("d", _P), ("mn", _P), ("dm", _P)]
+
+
+class KQuantWeights(ctypes.Structure):  # specsplit_kq_weights
+    _fields_ = [
+        ("fmt", ctypes.c_int32),
+        ("n", _I64),
+        ("ql", _P),
+        ("qh", _P),
+        ("sc", _P),
+        ("d", _P),
+        ("mn", _P),
+        ("dm", _P),
+    ]
+
+
+class BlockWeights(ctypes.Structure):  # specsplit_block_weights
+    _fields_ = [("fmt", ctypes.c_int32), ("n", _I64), ("v", _P), ("high", _P), ("d", _P)]
+
+
+class Segments(ctypes.Structure):  # specsplit_segments
+    _fields_ = [
+        ("count", _I64),
+        ("slot", _P),
+        ("cap", _P),
+        ("start", _P),
+        ("len", _P),
+        ("row0", _P),
+    ]
+
+
+class AttentionArgs(ctypes.Structure):  # specsplit_attention_args
+    _fields_ = [
+        ("q", _P),
+        ("k_new", _P),
+        ("v_new", _P),
+        ("heads", _I64),
+        ("kv_heads", _I64),
+        ("head_dim", _I64),
+        ("layer", _I64),
+        ("scale", _F32),
+        ("window", _I64),
+        ("softcap", _F32),
+    ]
+
+
+class Heads(ctypes.Structure):  # specsplit_heads
+    _fields_ = [
+        ("x", _P),
+        ("rows", _I64),
+        ("stride", _I64),
+        ("heads", _I64),
+        ("head_stride", _I64),
+        ("dim", _I64),
+    ]
+
+
+STRUCTS = {
+    "specsplit_rows": Rows,
+    "specsplit_weights": Weights,
+    "specsplit_kq_weights": KQuantWeights,
+    "specsplit_block_weights": BlockWeights,
+    "specsplit_segments": Segments,
+    "specsplit_attention_args": AttentionArgs,
+    "specsplit_heads": Heads,
+}
+
 _SIGNATURES = {
     "specsplit_has_avx2": [],
     "specsplit_has_avx512vnni": [],
-    "specsplit_quantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT, _INT],
-    "specsplit_rmsnorm_quantize": [_P, _P, _F32, _I64, _I64, _P, _P, _P, _INT, _INT],
-    "specsplit_rope": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P],
-    "specsplit_gemm": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
-    "specsplit_gemm_vnni": [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
-    "specsplit_attention": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F32]
-    + [_I64, _F32, _P, _INT],
+    "specsplit_quantize_rows": [_P, _P, _INT, _INT],
+    "specsplit_rmsnorm_quantize": [_P, _P, _F32, _P, _INT, _INT],
+    "specsplit_rope": [_P, _P, _P],
+    "specsplit_gemm": [_P, _P, _P, _INT],
+    "specsplit_gemm_vnni": [_P, _P, _P, _INT],
+    "specsplit_attention": [_P, _P, _P, _INT],
     "specsplit_kq_gemm": [_P, _P, _P, _INT],
     "specsplit_kq_gemm_vnni": [_P, _P, _P, _INT],
-    "specsplit_block_gemm": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
-    "specsplit_block_gemm_vnni": [_INT, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
+    "specsplit_block_gemm": [_P, _P, _P, _INT],
+    "specsplit_block_gemm_vnni": [_P, _P, _P, _INT],
     "specsplit_act_mul": [_P, _I64, _I64, _INT, _P, _INT],
-    "specsplit_act_mul_quantize": [_P, _I64, _I64, _INT, _P, _P, _P, _INT, _INT],
-    "specsplit_rmsnorm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64, _INT],
+    "specsplit_act_mul_quantize": [_P, _INT, _P, _INT, _INT],
+    "specsplit_rmsnorm": [_P, _P, _F32, _P, _I64, _INT],
     "specsplit_residual_add": [_P, _P, _I64, _I64, _P, _F32, _P, _INT],
     "specsplit_soft_cap": [_P, _I64, _F32, _P, _INT],
 }
@@ -360,17 +442,26 @@ class QuantizedRows:
         self.xq = torch.empty((self.rows, self.k), dtype=torch.int8)
         self.xs = torch.empty((self.rows, groups // per_block(self.k)), dtype=torch.float32)
         self.xsum = torch.empty((self.rows, groups), dtype=torch.int16)
-        layout = 1 if self.backend == "avx2" else 0
-        out = (_ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), layout, _threads())
+        out = (ctypes.byref(self.c_rows()), self.paired, _threads())
         if norm is None:
-            library().specsplit_quantize_rows(_ptr(x), self.rows, self.k, *out)
+            library().specsplit_quantize_rows(_ptr(x), *out)
         else:
             weight, eps = norm
             if weight.dtype != torch.float32 or weight.shape != (self.k,):
                 raise ValueError("the norm's weight must be float32 of the rows' width")
             weight = weight.contiguous()  # held: C reads it (a temporary's pointer would dangle)
-            norm_rows = (_ptr(x), _ptr(weight), eps, self.rows, self.k)
-            library().specsplit_rmsnorm_quantize(*norm_rows, *out)
+            library().specsplit_rmsnorm_quantize(_ptr(x), _ptr(weight), eps, *out)
+
+    @property
+    def paired(self) -> int:
+        """1: xq in the paired layout (the AVX2 kernels'), 0: natural order."""
+        return 1 if self.backend == "avx2" else 0
+
+    def c_rows(self, xsum16: torch.Tensor | None = None) -> Rows:
+        """These rows as the kernels read them (``specsplit_rows``); ``xsum16``: q6_k's work
+        buffer, held by the caller for the call."""
+        scratch = None if xsum16 is None else _ptr(xsum16)
+        return Rows(self.rows, self.k, _ptr(self.xq), _ptr(self.xs), _ptr(self.xsum), scratch)
 
 
 def pack(bits: int, tensors: tuple[torch.Tensor, ...], kernel: str | None = None) -> KernelWeights:
@@ -385,23 +476,10 @@ def gemm(x: QuantizedRows, w: KernelWeights) -> torch.Tensor:
         raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)
     q, sc, d, *offsets = w.tensors
-    mn, dm = offsets if offsets else (None, None)
+    mn, dm = (_ptr(t) for t in offsets) if offsets else (None, None)
+    weights = Weights(w.n, _ptr(q), _ptr(sc), _ptr(d), mn, dm)
     fn = library().specsplit_gemm if w.backend == "avx2" else library().specsplit_gemm_vnni
-    fn(
-        _ptr(x.xq),
-        _ptr(x.xs),
-        _ptr(x.xsum),
-        x.rows,
-        x.k,
-        _ptr(q),
-        _ptr(sc),
-        _ptr(d),
-        None if mn is None else _ptr(mn),
-        None if dm is None else _ptr(dm),
-        w.n,
-        _ptr(out),
-        _threads(),
-    )
+    fn(ctypes.byref(x.c_rows()), ctypes.byref(weights), _ptr(out), _threads())
     return out
 
 
@@ -422,6 +500,8 @@ class RaggedBatch:
         self.capacities = i64(*[kv.shape[3] for kv in slots])
         self.starts, self.lengths = i64(*starts), i64(*lengths)
         self.row0 = i64(*list(itertools.accumulate(lengths, initial=0))[:n])
+        arrays = (self.bases, self.capacities, self.starts, self.lengths, self.row0)
+        self.c_segments = Segments(n, *(ctypes.addressof(a) for a in arrays))
 
 
 def attention(
@@ -440,25 +520,11 @@ def attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # held: C reads their memory
     rows, heads, dim = q.shape
     out = torch.empty_like(q)
+    args = AttentionArgs(
+        _ptr(q), _ptr(k), _ptr(v), heads, k.shape[1], dim, layer, scale, window or 0, softcap or 0.0
+    )
     failed = library().specsplit_attention(
-        _ptr(q),
-        _ptr(k),
-        _ptr(v),
-        heads,
-        k.shape[1],
-        dim,
-        batch.count,
-        batch.bases,
-        layer,
-        batch.capacities,
-        batch.starts,
-        batch.lengths,
-        batch.row0,
-        scale,
-        window or 0,
-        softcap or 0.0,
-        _ptr(out),
-        _threads(),
+        ctypes.byref(args), ctypes.byref(batch.c_segments), _ptr(out), _threads()
     )
     if failed:
         raise MemoryError("the attention kernel could not allocate its scratch memory")
@@ -476,7 +542,8 @@ def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: tor
     if rot % 16 or rot > head_dim or cos.shape != (rows, rot) or sin.shape != (rows, rot):
         raise ValueError("rope needs rotary dims % 16 == 0, <= head_dim, cos/sin [rows, dims]")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()  # held: C reads them
-    library().specsplit_rope(_ptr(x), rows, width, heads, head_dim, rot, _ptr(cos), _ptr(sin))
+    vectors = Heads(_ptr(x), rows, width, heads, head_dim, rot)
+    library().specsplit_rope(ctypes.byref(vectors), _ptr(cos), _ptr(sin))
 
 
 def _threads() -> int:
@@ -545,17 +612,8 @@ class ActivatedRows(QuantizedRows):
         self.xq = torch.empty((self.rows, f), dtype=torch.int8)
         self.xs = torch.empty((self.rows, groups // per_block(f)), dtype=torch.float32)
         self.xsum = torch.empty((self.rows, groups), dtype=torch.int16)
-        layout = 1 if self.backend == "avx2" else 0
         library().specsplit_act_mul_quantize(
-            _ptr(gu),
-            self.rows,
-            f,
-            kind,
-            _ptr(self.xq),
-            _ptr(self.xs),
-            _ptr(self.xsum),
-            layout,
-            _threads(),
+            _ptr(gu), kind, ctypes.byref(self.c_rows()), self.paired, _threads()
         )
 
 
@@ -586,19 +644,9 @@ def rms_norm(
         out = torch.empty(x.shape, dtype=torch.float32)
     elif out.shape != x.shape or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError("out must be float32 of x's shape, its values contiguous")
-    rows, heads = x.shape[0], x.shape[1] // d
-    lib = library()
-    lib.specsplit_rmsnorm(
-        _ptr(x),
-        rows,
-        x.stride(0),
-        heads,
-        d,
-        _ptr(weight),
-        eps,
-        _ptr(out),
-        out.stride(0),
-        _threads(),
+    vectors = Heads(_ptr(x), x.shape[0], x.stride(0), x.shape[1] // d, d, d)
+    library().specsplit_rmsnorm(
+        ctypes.byref(vectors), _ptr(weight), eps, _ptr(out), out.stride(0), _threads()
     )
     return out
 

@@ -14,35 +14,11 @@ operations that reads its own row only, whatever the rows in the call and the th
 Build with -ffp-contract=off (cpu_kernels.py does) so that no multiply-add is fused on its own. */
 #include "cpu_kernels.h"
 
-/* e^x for x <= 0, 8 at a time: 2^n * P(r), x = n ln2 + r, |r| <= ln2 / 2, P of degree 6
-   (Cephes' expf, ~1 ulp); below -87.3 the result is 0. The same scheme as cpu_attention.c's
-   softmax exponential, kept here so that each file owns the numbers it promises. */
-static inline __m256 exp_le0(__m256 x) {
-    const __m256 low = _mm256_set1_ps(-87.3f);
-    const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, low);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, y);
-}
-
 /* 1 / (1 + e^-z) through e = e^-|z| <= 1, so nothing overflows: 1 / (1 + e) for z >= 0,
    e / (1 + e) below. Both are computed for every lane; the sign picks one. */
 static inline __m256 sigmoid(__m256 z) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 e = exp_le0(_mm256_or_ps(z, sign)); /* e^-|z| */
+    const __m256 e = exp_nonpositive(_mm256_or_ps(z, sign)); /* e^-|z| */
     const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), e);
     const __m256 pos = _mm256_div_ps(_mm256_set1_ps(1.0f), d), neg = _mm256_div_ps(e, d);
     return _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
@@ -82,8 +58,12 @@ void specsplit_act_mul(const float *gu, int64_t M, int64_t F, int act, float *ou
 /* As specsplit_act_mul, quantised as specsplit_quantize_rows quantises rows of width F: one
    super-block at a time from a stack buffer, so the float product never leaves this call and
    equals, bit for bit, specsplit_quantize_rows of specsplit_act_mul's output. */
-void specsplit_act_mul_quantize(const float *gu, int64_t M, int64_t F, int act, int8_t *xq,
-                                float *xs, int16_t *xsum, int paired, int nt) {
+void specsplit_act_mul_quantize(const float *gu, int act, const specsplit_rows *out, int paired,
+                                int nt) {
+    const int64_t M = out->m, F = out->k;
+    int8_t *xq = out->xq;
+    float *xs = out->xs;
+    int16_t *xsum = out->xsum;
     const int64_t L = QK * per_block(F), B = F / L;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * F >= 65536)
     for (int64_t rb = 0; rb < M * B; rb++) {
@@ -105,15 +85,18 @@ static inline float rms_scale(const float *v, int64_t D, float eps) {
 }
 
 /* RMSNorm of each D-long vector on its own: M rows `stride` floats apart, each holding H
-   consecutive vectors (a row's heads, or H = 1 and D its width); out in the same layout,
-   `out_stride` apart (out == x: in place). y = w * (v * (1 / sqrt(mean(v^2) + eps))), w [D],
-   as specsplit_rmsnorm_quantize computes it. D a multiple of 8. */
-void specsplit_rmsnorm(const float *x, int64_t M, int64_t stride, int64_t H, int64_t D,
-                       const float *w, float eps, float *out, int64_t out_stride, int nt) {
+   vectors `hstride` floats apart (a row's heads, or H = 1 and D its width); out in the same
+   layout, rows `out_stride` apart (out == x: in place). y = w * (v * (1 / sqrt(mean(v^2) +
+   eps))), w [D], as specsplit_rmsnorm_quantize computes it. D a multiple of 8. */
+void specsplit_rmsnorm(const specsplit_heads *heads, const float *w, float eps, float *out,
+                       int64_t out_stride, int nt) {
+    const float *x = heads->x;
+    const int64_t M = heads->rows, stride = heads->stride, H = heads->heads;
+    const int64_t hstride = heads->head_stride, D = heads->dim;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * H * D >= 65536)
     for (int64_t t = 0; t < M * H; t++) {
-        const float *v = x + (t / H) * stride + (t % H) * D;
-        float *o = out + (t / H) * out_stride + (t % H) * D;
+        const float *v = x + (t / H) * stride + (t % H) * hstride;
+        float *o = out + (t / H) * out_stride + (t % H) * hstride;
         const __m256 inv = _mm256_set1_ps(rms_scale(v, D, eps));
         for (int64_t i = 0; i < D; i += 8) {
             const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(v + i), inv);
@@ -133,13 +116,14 @@ void specsplit_residual_add(const float *x, const float *y, int64_t M, int64_t K
         float *o = out + r * K;
         if (w == NULL) {
             for (int64_t i = 0; i < K; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+                _mm256_storeu_ps(o + i,
+                                 _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
             continue;
         }
         const __m256 inv = _mm256_set1_ps(rms_scale(b, K, eps));
         for (int64_t i = 0; i < K; i += 8) {
-            const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(w + i),
-                                           _mm256_mul_ps(_mm256_loadu_ps(b + i), inv));
+            const __m256 n =
+                _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(b + i), inv));
             _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(a + i), n));
         }
     }
@@ -158,10 +142,10 @@ static inline __m256 tanh8(__m256 t) {
     p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.33314422036e-1f));
     p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(-3.33332819422e-1f));
     const __m256 small = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, z), t), t);
-    const __m256 e = exp_le0(_mm256_mul_ps(_mm256_set1_ps(-2.0f), a));
+    const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), a));
     const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 large = _mm256_or_ps(
-        _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), _mm256_and_ps(sign, t));
+    const __m256 large = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                                      _mm256_and_ps(sign, t));
     return _mm256_blendv_ps(small, large, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_GE_OQ));
 }
 

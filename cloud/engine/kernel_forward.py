@@ -1,7 +1,7 @@
 """The ragged forward pass on our CPU kernels: quantised weights, batch-invariant rows.
 
-Same contract as ``cloud.ragged.RaggedForward`` (segments in, logits per segment out, KV slots
-with rollback by length), for the same Llama-style decoders, with:
+Same contract as ``cloud.engine.ragged.RaggedForward`` (segments in, logits per segment out, KV
+slots with rollback by length), for the same Llama-style decoders, with:
 - the projections in int8/int4 (``cloud.engine.quantized``), the ones that read one input fused
   (q/k/v, gate/up), the LM head in int8;
 - activations quantised to int8 per 32 values once per input, shared by the fused matmul;

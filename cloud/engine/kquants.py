@@ -340,11 +340,12 @@ def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KQuantWei
     return KQuantWeights(backend, _LEVEL_BITS[fmt], n, k, tensors, fmt)
 
 
-def _c_weights(fmt: str, n: int, tensors: tuple[torch.Tensor, ...]) -> _Weights:
+def _c_weights(fmt: str, n: int, tensors: tuple[torch.Tensor, ...]) -> kernels.KQuantWeights:
     ql, *rest = tensors
     qh = rest.pop(0) if fmt != "q4_k" else None
     sc, d, *offsets = rest
-    weights = _Weights(_CODE[fmt], n, ql.data_ptr(), None if qh is None else qh.data_ptr())
+    high = None if qh is None else qh.data_ptr()
+    weights = kernels.KQuantWeights(_CODE[fmt], n, ql.data_ptr(), high)
     weights.sc, weights.d = sc.data_ptr(), d.data_ptr()
     if offsets:
         weights.mn, weights.dm = offsets[0].data_ptr(), offsets[1].data_ptr()
@@ -352,30 +353,6 @@ def _c_weights(fmt: str, n: int, tensors: tuple[torch.Tensor, ...]) -> _Weights:
 
 
 # ---- the matmul -------------------------------------------------------------------------------
-
-
-class _Rows(ctypes.Structure):  # cpu_kernels.h: specsplit_kq_rows
-    _fields_ = [
-        ("m", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("xq", ctypes.c_void_p),
-        ("xs", ctypes.c_void_p),
-        ("xsum", ctypes.c_void_p),
-        ("xsum16", ctypes.c_void_p),  # scratch
-    ]
-
-
-class _Weights(ctypes.Structure):  # cpu_kernels.h: specsplit_kq_weights
-    _fields_ = [
-        ("fmt", ctypes.c_int32),
-        ("n", ctypes.c_int64),
-        ("ql", ctypes.c_void_p),
-        ("qh", ctypes.c_void_p),
-        ("sc", ctypes.c_void_p),
-        ("d", ctypes.c_void_p),
-        ("mn", ctypes.c_void_p),
-        ("dm", ctypes.c_void_p),
-    ]
 
 
 def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
@@ -386,10 +363,10 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
     if w.backend != x.backend or w.k != x.k:
         raise ValueError(f"weights for {w.backend} x {w.k} given rows for {x.backend} x {x.k}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)
-    rows = _Rows(x.rows, x.k, x.xq.data_ptr(), x.xs.data_ptr(), x.xsum.data_ptr(), None)
+    scratch = None
     if fmt == "q6_k" and x.rows * x.k // 16 > LOCAL_SUMS:  # else the kernel's stack holds them
         scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
-        rows.xsum16 = scratch.data_ptr()
+    rows = x.c_rows(scratch)
     weights = w.c_weights
     lib = kernels.library()
     fn = lib.specsplit_kq_gemm if w.backend == "avx2" else lib.specsplit_kq_gemm_vnni

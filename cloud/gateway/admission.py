@@ -1,5 +1,6 @@
 """Who may open a session now: the one owner of how many sessions and how much memory
-(DESIGN §8): a cap on streams at once, per-token quotas and the target's KV memory budget.
+(docs/design.md#admission): a cap on streams at once, per-token quotas and the target's KV memory
+budget.
 
 A bare session count admits 64 one-token prompts and 64 max_context ones alike, though the
 second set holds orders of magnitude more KV memory in Triton. So every admitted session
@@ -27,11 +28,11 @@ over the client's KV quota is refused like one over the budget, with a retry hin
 client's other sessions hold the bytes (their end makes room), without one when this session
 alone needs more than the quota.
 
-Idle sessions yield under pressure: a session owns nothing its edge cannot rebuild (DESIGN §2),
-so before a stream, a Start or a growth is refused for want of places or KV memory, streams
-idle for longer than ``reclaim_after_s`` are reclaimed: those that never sent a Start first,
-then sessions by least recent activity (a message received, a step or a send ended). A ticket
-with work in flight (its Start or a verification in Triton) is never reclaimed; a message the
+Idle sessions yield under pressure: a session owns nothing its edge cannot rebuild
+(docs/design.md#failure), so before a stream, a Start or a growth is refused for want of places or
+KV memory, streams idle for longer than ``reclaim_after_s`` are reclaimed: those that never sent a
+Start first, then sessions by least recent activity (a message received, a step or a send ended). A
+ticket with work in flight (its Start or a verification in Triton) is never reclaimed; a message the
 client has not read for that long is no work of ours (``sending``). A reclaimed ticket's
 ``end`` ends its stream (UNAVAILABLE: the edge re-opens from its committed sequence); its place
 and KV bytes come back through ``leave``/``free`` like any other end's, and the refused caller

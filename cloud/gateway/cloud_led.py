@@ -1,5 +1,5 @@
-"""Cloud-led sessions (session mode CLOUD_LED, DESIGN §7): the target never waits for the
-network.
+"""Cloud-led sessions (session mode CLOUD_LED, docs/design.md#cloud-led): the target never waits for
+the network.
 
 The target steps continuously, as in cloud-only. A reader task takes Drafts as they arrive into
 a small pool; before every step the most recently received Draft consistent with the committed

@@ -1,4 +1,5 @@
-"""Lock-step sessions on the cloud (DESIGN §2): one Draft in, one target step, one Verdict out.
+"""Lock-step sessions on the cloud (docs/design.md#lock-step): one Draft in, one target step, one
+Verdict out.
 
 A Draft with ``lead`` set (Started.accepts_lead) hands the stream over to cloud-led rounds
 (cloud/gateway/cloud_led.py), as if Start had asked for them: that Draft is the first in their pool,

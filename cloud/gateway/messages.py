@@ -1,8 +1,8 @@
 """Reading a stream's client messages, written once for every session mode.
 
-A client's mistake always ends as a status code with a message (DESIGN §8): an undecodable
-payload is INVALID_ARGUMENT (grpc would report a deserializer's exception as UNKNOWN), a silent
-stream DEADLINE_EXCEEDED, a message out of place FAILED_PRECONDITION.
+A client's mistake always ends as a status code with a message (docs/design.md#errors): an
+undecodable payload is INVALID_ARGUMENT (grpc would report a deserializer's exception as UNKNOWN), a
+silent stream DEADLINE_EXCEEDED, a message out of place FAILED_PRECONDITION.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway (DESIGN §9), named after vLLM's spec-decode metrics.
+"""Prometheus metrics of the gateway (docs/design.md#operations), named after vLLM's spec-decode
+metrics.
 
 Observed from the protocol itself: ``GatewayMetrics.instrument`` wraps the Generate handler and
 sees each ClientMessage (Start: the stream's mode), each ServerMessage (Verdict: the draft

@@ -1,4 +1,4 @@
-"""The Triton replicas behind one gateway (DESIGN §9): placement, health, failover.
+"""The Triton replicas behind one gateway (docs/design.md#operations): placement, health, failover.
 
 A session is placed on the up replica with the fewest sessions of this gateway and stays there
 (its KV cache lives there). A replica that fails a call is marked down at once; the health watch

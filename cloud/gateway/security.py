@@ -1,4 +1,5 @@
-"""The public port's security: TLS (mTLS with a client CA) and bearer tokens (DESIGN §8).
+"""The public port's security: TLS (mTLS with a client CA) and bearer tokens
+(docs/design.md#security).
 
 Tokens come from a file, one a line (blank lines and ``#`` comments ignored); a call must carry
 ``authorization: Bearer <token>`` metadata matching one of them, compared in constant time against

@@ -1,5 +1,5 @@
 """Every check of a stream's first message, in one place: a Start becomes a session or a
-precise status (DESIGN §8), before anything reaches Triton.
+precise status (docs/design.md#errors), before anything reaches Triton.
 """
 
 from __future__ import annotations

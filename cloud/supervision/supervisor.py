@@ -1,5 +1,5 @@
-"""Keeps `serve`'s tritonservers running (DESIGN §8): a server that exits without being asked
-to, or whose Python backend stub died under it (Triton then fails every request and never
+"""Keeps `serve`'s tritonservers running (docs/design.md#failure): a server that exits without being
+asked to, or whose Python backend stub died under it (Triton then fails every request and never
 starts the stub again), is cleaned up (its process group, where the stub of a crashed server
 would live on as an orphan, and its shared-memory regions) and started again on the same port,
 with bounded backoff.

@@ -1,4 +1,4 @@
-"""Starts and stops the tritonserver bundled in the nvidia-pytriton wheel (DESIGN §3).
+"""Starts and stops the tritonserver bundled in the nvidia-pytriton wheel (docs/design.md#triton).
 
 The binary runs directly against our own model repository (no PyTriton proxy hop). Recipe:
 copy the Python backend (libtriton_python.so, triton_python_backend_utils.py, the stub for this

@@ -1,7 +1,8 @@
 """Exports a Hugging Face checkpoint to the edge's ONNX draft format (a build step).
 
-Families: ``edge.families.FAMILIES`` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text,
-Phi-3/3.5/4-mini); each is read from its ``config.json`` by ``edge.families.read_spec``.
+Families: ``edge.export.families.FAMILIES`` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3
+text, Phi-3/3.5/4-mini); each is read from its ``config.json`` by
+``edge.export.families.read_spec``.
 
 ``export_onnx(model_dir, out_dir, precision)`` reads ``config.json`` + ``*.safetensors`` (single or
 sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` containing:

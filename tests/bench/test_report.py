@@ -2,6 +2,8 @@
 
 import json
 
+import matplotlib.image
+import numpy as np
 import pytest
 
 from bench.report import aggregate, identical_to_target, write_report
@@ -94,7 +96,12 @@ def test_write_report_from_raw_alone(tmp_path):
     text = write_report(raw, meta, tmp_path, "b").read_text()
     assert "| lock-step | 4 | 5.00 | 2.00 |" in text  # 10 tokens / 2 s vs 10 / 4 s
     assert "met: split ≥ 1.5× cloud-only" in text
-    assert (tmp_path / "img" / "b-tok-s-vs-rtt-t0.png").stat().st_size > 0
+    png = tmp_path / "img" / "b-tok-s-vs-rtt-t0.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(png)  # [height, width, RGBA] in [0, 1]
+    assert pixels.shape[0] >= 200 and pixels.shape[1] >= 300, pixels.shape
+    # A drawn figure, not a blank canvas: the plotted rows leave more than the background.
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[2]), axis=0)) > 2
     assert "Measured today at commit `abc1234` on Some CPU." in text  # the run's, not this one's
 
 

@@ -1,4 +1,5 @@
-"""edge.models: where the draft's export is cached, found by what the model is, not where."""
+"""edge.models: where the draft's export is cached, found by what the model is, not where (and
+edge.export.ensure, which uses what is found instead of exporting again)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import shutil
 import pytest
 
 from specsplit.edge import models
-from specsplit.edge.models import DEFAULT_DRAFT, METADATA, ensure_draft_onnx, export_dir
+from specsplit.edge.export import ensure
+from specsplit.edge.export.ensure import ensure_draft_onnx
+from specsplit.edge.models import DEFAULT_DRAFT, METADATA, export_dir, find_draft_onnx
 from specsplit.shared.weights.sources import SOURCES
 
 
@@ -29,7 +32,7 @@ def test_a_copied_cache_finds_the_default_drafts_export(tmp_path, monkeypatch):
     _fake_export(export_dir(SOURCES[DEFAULT_DRAFT], "int4"))
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "b"))
-    monkeypatch.setattr(models, "require_extra", _no_export)
+    monkeypatch.setattr(ensure, "require_extra", _no_export)
     found = ensure_draft_onnx(DEFAULT_DRAFT, "int4", progress=False)
     assert found.parent == tmp_path / "b" / "onnx"
 
@@ -43,7 +46,7 @@ def test_a_copied_model_dir_is_keyed_by_its_contents(tmp_path, monkeypatch):
     copy = shutil.copytree(hf, tmp_path / "elsewhere" / "draft")
     assert export_dir(copy, "int8") == export_dir(hf, "int8")
     _fake_export(export_dir(hf, "int8"))
-    monkeypatch.setattr(models, "require_extra", _no_export)
+    monkeypatch.setattr(ensure, "require_extra", _no_export)
     assert ensure_draft_onnx(copy, "int8", progress=False) == export_dir(hf, "int8")
     (copy / "model.safetensors").write_bytes(b"\1" * 1000)  # other weights, same size
     assert export_dir(copy, "int8") != export_dir(hf, "int8")
@@ -57,10 +60,16 @@ def test_an_export_under_its_old_path_keyed_name_is_still_found(tmp_path, monkey
     hf_dir = tmp_path / "hf" / hf.name
     key = hashlib.sha1(str(hf_dir.resolve()).encode()).hexdigest()[:8]
     old = _fake_export(tmp_path / "onnx" / f"{hf.name}-{key}-int4-g{models.GRAPH_FORMAT}")
-    monkeypatch.setattr(models, "require_extra", _no_export)
+    monkeypatch.setattr(ensure, "require_extra", _no_export)
     assert ensure_draft_onnx(DEFAULT_DRAFT, "int4", progress=False) == old
 
 
 def test_a_model_path_that_is_no_directory_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         models.content_key(tmp_path / "missing")
+
+
+def test_a_draft_not_exported_yet_is_not_found(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    assert find_draft_onnx(DEFAULT_DRAFT, "int4") is None
+    assert find_draft_onnx(_fake_export(tmp_path / "mine"), "int8") == tmp_path / "mine"

@@ -281,6 +281,65 @@ def test_the_ctypes_table_matches_the_header():
         assert _ctypes_kind(kernels._RETURNS.get(name)) == ret, name
 
 
+_STRUCT = re.compile(r"typedef struct \{(.*?)\}\s*(specsplit_\w+)\s*;", re.S)
+_STRUCT_KINDS = {"int64_t": "int64", "int32_t": "int32", "float": "float"}
+
+
+def header_structs() -> dict[str, list[tuple[str, str]]]:
+    """cpu_kernels.h's parameter structs: name -> [(field, pointer / int64 / int32 / float)]."""
+    out = {}
+    for body, name in _STRUCT.findall(HEADER.read_text()):
+        body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+        fields = []
+        for decl in filter(None, (d.strip() for d in body.split(";"))):
+            words = decl.replace("*", " * ").replace(",", " , ").split()
+            base = [w for w in words if w not in ("const", "*", ",")][0]
+            # each declarator: its name, and whether a * came before it (after the base type)
+            star = False
+            for w in words[words.index(base) + 1 :]:
+                if w == "*":
+                    star = True
+                elif w == ",":
+                    star = False
+                elif w != "const":
+                    fields.append((w, "pointer" if star else _STRUCT_KINDS.get(base, base)))
+        out[name] = fields
+    return out
+
+
+def _field_kind(t) -> str:
+    if t is ctypes.c_void_p:
+        return "pointer"
+    return {ctypes.c_int64: "int64", ctypes.c_int32: "int32", ctypes.c_float: "float"}[t]
+
+
+def test_the_header_struct_parser_reads_fields():
+    kinds = dict(header_structs()["specsplit_segments"])
+    assert kinds == dict.fromkeys(("slot", "cap", "start", "len", "row0"), "pointer") | {
+        "count": "int64"
+    }
+
+
+def test_the_ctypes_structs_match_the_header():
+    """Every parameter struct of cpu_kernels.h has its ctypes twin, field for field in order
+    (names and kinds), so C and Python read the same bytes."""
+    declared = {n: f for n, f in header_structs().items() if not n.startswith("specsplit_block_q")}
+    assert set(kernels.STRUCTS) == set(declared)
+    for name, struct in kernels.STRUCTS.items():
+        fields = [(f, _field_kind(t)) for f, t in struct._fields_]
+        assert fields == declared[name], name
+
+
+def test_the_gguf_block_structs_have_the_readers_sizes():
+    """The header's typed GGUF blocks (with their _Static_asserts) and the Python readers that
+    parse a file's blocks agree on every format's block size."""
+    from specsplit.cloud.engine import block_quants, kquants
+
+    sizes = dict(re.findall(r"sizeof\(specsplit_block_(\w+)\) == (\d+)", HEADER.read_text()))
+    readers = kquants.GGUF_BLOCK_BYTES | block_quants.BLOCK_BYTES
+    assert {f: int(b) for f, b in sizes.items()} == readers
+
+
 @needs_kernels
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
 def test_every_exported_function_is_declared_in_the_header():
@@ -378,3 +437,16 @@ def test_the_kernels_build_wherever_the_cpu_and_a_compiler_allow():
     except kernels.KernelsUnavailable as e:
         pytest.skip(f"this machine cannot run the kernels: {e}")
     assert kernels.unavailable() is None
+
+
+_CLANG_FORMAT = Path(sys.executable).with_name("clang-format")  # the dev extra's pinned one
+
+
+@pytest.mark.skipif(not _CLANG_FORMAT.exists(), reason="needs the dev extra's clang-format")
+def test_the_c_sources_are_formatted():
+    """Every cpu_*.c and the header as .clang-format lays them out (`clang-format -i`)."""
+    sources = [str(p) for p in (*kernels.SOURCES, HEADER)]
+    done = subprocess.run(
+        [str(_CLANG_FORMAT), "--dry-run", "--Werror", *sources], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,5 @@
 """A cloud-led client that sends Drafts faster than the target steps: the pool keeps the
-freshest few (cloud.cloud_led.POOL), and the gateway reads no more than a bounded number of
+freshest few (cloud.gateway.cloud_led.POOL), and the gateway reads no more than a bounded number of
 Drafts per target step; the rest wait in the client under gRPC flow control, instead of being
 decoded and checked at line rate with no step to verify them."""
 

@@ -26,7 +26,7 @@ from tests.fakes import SlowDrafter, gateway
 
 KV = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # the tiny test model: 512 B
 B = KV.bytes_per_token
-UNLIMITED = 1 << 30  # an OpenAI request without max_tokens (edge.openai_schema.UNLIMITED)
+UNLIMITED = 1 << 30  # an OpenAI request without max_tokens (edge.openai.schema.UNLIMITED)
 
 
 def test_the_reservation_grows_with_the_committed_length_one_size_class_at_a_time():

@@ -1,5 +1,5 @@
-"""The retry hint of a refusal (cloud.admission.Admission.retry_after_ms): when a place or KV
-memory is likely to come back, so that a refused edge neither hammers the cloud nor waits
+"""The retry hint of a refusal (cloud.gateway.admission.Admission.retry_after_ms): when a place or
+KV memory is likely to come back, so that a refused edge neither hammers the cloud nor waits
 longer than it must."""
 
 from __future__ import annotations

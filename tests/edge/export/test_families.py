@@ -21,7 +21,7 @@ from specsplit.edge.export.onnx_graph import build_model
 from specsplit.edge.export.rope import Rope
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny_families import FAMILIES, make_tiny, stepwise_greedy, stepwise_logits
-from tests.edge.export.test_export import on_4bit_grids
+from tests.edge.export.test_exporter import on_4bit_grids
 from tests.edge.reference import CPU, _hf_model, assert_logits_close, drafter_greedy, hf_logits
 
 IDS = [3, 17, 99, 5, 200, 41, 7, 128, 64, 11, 250, 0, 42, 42, 9, 1, 77, 31, 8, 2]

@@ -1,4 +1,4 @@
-"""edge.families.read_spec on config.json files as the hub's popular drafts ship them (older
+"""edge.export.families.read_spec on config.json files as the hub's popular drafts ship them (older
 transformers formats: rope_theta + rope_scaling, no layer_types): the traits it reads."""
 
 from __future__ import annotations

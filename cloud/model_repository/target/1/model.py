@@ -1,6 +1,6 @@
 """Triton Python backend shell over specsplit.cloud.engine.target: gather -> compute -> scatter.
 
-Requests go to ``cloud.engine.BatchEngine``, which serves all that are waiting with one
+Requests go to ``cloud.engine.batch.BatchEngine``, which serves all that are waiting with one
 ``TargetModel.run`` (one forward pass for every verification block and cloud-only step) and
 answers each through its response sender.
 
