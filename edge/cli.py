@@ -31,7 +31,12 @@ from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
+from specsplit.shared.cli_help import (
+    HelpFormatter,
+    add_version,
+    deprecated_alias,
+    renamed_values,
+)
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.weights.wheels import SourceError
 
@@ -43,6 +48,17 @@ VERIFICATION = {
 }
 # One default k for generate, serve and the Python API: GenerationConfig's.
 DRAFT_TOKENS = GenerationConfig.draft_tokens
+# --precision's values are named as the cloud's --dtype names float formats (float32, float16);
+# the export's own tags (edge.models.PRECISIONS: fp32, fp16, int4-fp16) name its cache entries.
+# The tags were the flag's values before: accepted, with a warning, for one release.
+PRECISION_TAGS = {tag.replace("fp", "float"): tag for tag in PRECISIONS}
+PRECISION_NAMES = {tag: name for name, tag in PRECISION_TAGS.items()}
+_OLD_PRECISIONS = {tag: name for name, tag in PRECISION_TAGS.items() if tag != name}
+
+
+def _tag(args) -> str:
+    """The export's tag for --precision (its value is a name of PRECISION_TAGS)."""
+    return PRECISION_TAGS[args.precision]
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -91,7 +107,7 @@ def _draft_dir(args) -> Path | None:
             found = cached_tokenizer_dir(args.draft or DEFAULT_DRAFT)
             if found is not None:
                 return found
-    return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
+    return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args))
 
 
 def _codec(args, draft_dir: Path | None):
@@ -235,7 +251,7 @@ def _serve(args) -> int:
     tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     cfg = ServeConfig(
         server=args.server,
-        draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision),
+        draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args)),
         model_name=args.served_model_name or args.target_name or "specsplit",
         mode=args.mode,
         concurrency=args.concurrency,
@@ -268,7 +284,7 @@ def _info(args) -> int:
 
     if args.steps < 1:
         raise SystemExit("specsplit-edge: --steps must be >= 1")
-    draft_dir = ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
+    draft_dir = ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args))
     drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
     ms = ms_per_token(drafter, args.steps)
     threads = (
@@ -284,7 +300,7 @@ def _info(args) -> int:
         ("offered", ", ".join(available_providers())),
         ("provider", f"{drafter.provider} (asked: {args.provider}{fallback})"),
         ("threads", threads),
-        ("draft", f"{draft_dir} ({drafter.precision})"),
+        ("draft", f"{draft_dir} ({PRECISION_NAMES.get(drafter.precision, drafter.precision)})"),
         ("ms/token", f"{ms:.2f} (median of {args.steps} single-token steps)"),
     ]
     for name, value in rows:
@@ -303,7 +319,7 @@ def _add_provider_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _pull(args) -> int:
-    print(ensure_draft_onnx(args.draft, args.precision, progress=True))
+    print(ensure_draft_onnx(args.draft, _tag(args), progress=True))
     return 0
 
 
@@ -315,7 +331,7 @@ def _export(args) -> int:
     out = export_onnx(
         Path(args.draft),
         Path(args.out),
-        precision=args.precision,
+        precision=_tag(args),
         progress=True,
         head_vocab=args.head_vocab,
     )
@@ -329,11 +345,17 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
         help="ONNX export dir, Hugging Face model dir (exported on first use), or a default "
         f"model name (default: {DEFAULT_DRAFT}, fetched and exported once, cached)",
     )
+    _add_precision_arg(p, "precision when the draft has to be exported")
+
+
+def _add_precision_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument(
         "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help="precision when the draft has to be exported",
+        type=renamed_values("specsplit-edge", "--precision", _OLD_PRECISIONS),
+        choices=tuple(PRECISION_TAGS),
+        default=PRECISION_NAMES[DEFAULT_PRECISION],
+        help=f"{help}: int8 or int4 weights (MatMulNBits) with float32 activations, float32, or "
+        "for GPU providers float16 and int4-float16",
     )
 
 
@@ -536,12 +558,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", help="the draft's Hugging Face model directory (required)")
     deprecated_alias(e, "--model", "--draft")
     e.add_argument("--out", required=True, help="output directory")
-    e.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help="weight format of the export, as for the other commands",
-    )
+    _add_precision_arg(e, "weight format of the export")
     e.add_argument(
         "--head-vocab",
         type=int,

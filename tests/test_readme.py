@@ -94,6 +94,31 @@ def test_the_readmes_shell_commands_use_flags_their_subcommand_has():
     assert checked >= 15  # the extraction found the commands
 
 
+def _valued(block: str) -> list[tuple[str, str]]:
+    """(flag, value) of every `--flag value` of a command line in ``block``."""
+    pairs = []
+    for _, *args in commands(block):
+        pairs += [(a, b) for a, b in zip(args, args[1:], strict=False) if a.startswith("--")]
+    return pairs
+
+
+def test_every_value_the_readme_gives_a_flag_with_choices_is_one_of_them():
+    """`--precision fp32` (an old name) or `--weights int3` in the README fails here: in its
+    commands and in prose (`--flag a|b` names several)."""
+    known = all_flags()
+    pairs = [p for block in code_blocks(README, "bash", "sh", "") for p in _valued(block)]
+    pairs += re.findall(r"`(--[a-z][a-z0-9-]*) ([\w.|-]+)`", README)
+    checked = 0
+    for flag, text in pairs:
+        choices = [a.choices for a in known.get(flag, []) if a.choices]
+        if not choices:
+            continue  # free-form, or another tool's flag
+        for value in text.split("|"):
+            assert any(value in c for c in choices), f"README: {flag} {value}; choices {choices}"
+            checked += 1
+    assert checked >= 8
+
+
 def test_every_flag_the_readme_names_exists():
     known = all_flags()
     for flag in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", README)):
