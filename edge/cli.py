@@ -19,6 +19,7 @@ from specsplit.edge.client import (
     SplitClient,
     check_token_transport,
 )
+from specsplit.edge.gguf_tokenizer import gguf_tokenizer
 from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.models import (
     DEFAULT_DRAFT,
@@ -38,6 +39,7 @@ from specsplit.shared.cli_help import (
     renamed_values,
 )
 from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.weights.sources import SOURCES
 from specsplit.shared.weights.wheels import SourceError
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -98,13 +100,17 @@ def _draft_dir(args) -> Path | None:
 
     Cloud-only drafts nothing: with token ids and no --draft it needs no draft (ids in, ids out);
     with a text prompt, the tokenizer of a draft already on disk (``cached_tokenizer_dir``: an
-    export or the converted Hugging Face directory), fetched and exported only where none is.
+    export or the converted Hugging Face directory), else for a default draft the one its cached
+    GGUF holds (``edge.gguf_tokenizer``); fetched and exported only where there is none.
     """
     if args.mode == "cloud-only":
         if args.prompt is None and not args.draft:
             return None
         if args.prompt is not None:
-            found = cached_tokenizer_dir(args.draft or DEFAULT_DRAFT)
+            spec = args.draft or DEFAULT_DRAFT
+            found = cached_tokenizer_dir(spec)
+            if found is None and spec in SOURCES:
+                found = gguf_tokenizer(SOURCES[spec])
             if found is not None:
                 return found
     return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args))
