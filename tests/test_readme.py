@@ -186,3 +186,23 @@ def test_the_python_client_snippet_runs_against_a_real_cloud(cloud, tiny, tmp_pa
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), "the snippet printed nothing"
+
+
+GENERATED = ["benchmarks*.md", "load*.md", "soak.md", "peers*.md"]  # pages bench/ writes
+
+
+def test_every_generated_page_says_when_and_where_it_was_measured_or_that_it_is_stale():
+    """A figure without its date, commit and CPU went stale unnoticed (issue 41): each page
+    bench/ generates opens with bench.stamp's line or a visible stale note naming its commit and
+    the `make` target that regenerates it."""
+    pages = sorted({p for g in GENERATED for p in (ROOT / "docs").glob(g)})
+    assert len(pages) >= 6
+    for page in pages:
+        head = "\n".join(page.read_text().splitlines()[:12])
+        stamp = re.search(r"^Measured .+ at commit `[0-9a-f]{7,}` on \S", head, flags=re.M)
+        stale = re.search(r"^> \*\*Stale\.\*\* ", head, flags=re.M)
+        assert stamp or stale, f"{page.name}: no stamp and no stale note at its top"
+        if stale and not stamp:
+            note = " ".join(line[1:].strip() for line in head.splitlines() if line.startswith(">"))
+            assert re.search(r"\b[0-9a-f]{7}\b", note), f"{page.name}: the note names no commit"
+            assert re.search(r"`make [\w-]+`", note), f"{page.name}: no command regenerates it"
