@@ -4,8 +4,6 @@ cached GGUF holds (issue 41)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -129,15 +127,17 @@ def test_without_transformers_a_cached_gguf_says_what_to_give_instead(
 
 
 @pytest.mark.slow
-def test_the_tokenizer_read_from_the_real_gguf_is_the_converted_directorys(cache, exports):
+def test_the_tokenizer_read_from_the_real_gguf_is_the_converted_directorys(
+    cache, exports, real_cache
+):
     """The default draft's real GGUF, where this machine's cache has it (read only: linked into
     a temporary cache): the same ids and specials as its converted Hugging Face directory."""
-    home = Path.home() / ".cache" / "specsplit"
+    home = real_cache
     source = SOURCES[DEFAULT_DRAFT]
     found = home / "gguf" / source.gguf_file
     converted = home / "hf" / source.name / "tokenizer.json"
     if not (found.is_file() and converted.is_file()):
-        pytest.skip("the default draft's GGUF and its conversion are not in ~/.cache/specsplit")
+        pytest.skip(f"the default draft's GGUF and its conversion are not in {real_cache}")
     place_gguf(cache, target=found)
     d = cli._draft_dir(args("--prompt", "def quicksort(a):"))
     assert tokenizer_fingerprint(d / "tokenizer.json") == tokenizer_fingerprint(converted)
