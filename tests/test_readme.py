@@ -6,6 +6,7 @@ models), and the Node snippet parses."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import shutil
@@ -166,6 +167,53 @@ def test_the_node_snippets_parse_as_commonjs(tmp_path):
         path.write_text(block)
         r = subprocess.run(["node", "--check", str(path)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+NODE_DIR = ROOT / "clients" / "node"
+needs_node_client = pytest.mark.skipif(
+    shutil.which("node") is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(),
+    reason="node or the Node client's packages (make node-client) are not installed",
+)
+
+
+@pytest.mark.slow
+@needs_node_client
+def test_the_node_readmes_shell_commands_run_against_a_real_cloud(cloud, tmp_path):
+    """Its shell block as written (but `make node-client`, done already), against the tiny
+    cloud's address, from a scratch directory (it writes drafts.json)."""
+    block = next(b for b in code_blocks(NODE_README, "bash") if "generate.js" in b)
+    assert "127.0.0.1:50051" in block and "make node-client" in block
+    script = "\n".join(line for line in block.splitlines() if not line.startswith("make "))
+    script = script.replace("127.0.0.1:50051", cloud.address).replace(
+        "clients/node/generate.js", str(NODE_DIR / "generate.js")
+    )
+    r = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+    assert [o["mode"] for o in outs] == ["cloud-only", "split"], outs
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and len(outs[0]["token_ids"]) == 24
+
+
+@pytest.mark.slow
+@needs_node_client
+def test_the_node_readmes_code_snippet_runs_against_a_real_cloud(cloud, tmp_path):
+    """Its `require('./specsplit')` snippet as written but for the address, and specsplit.js
+    required by its path (as it says one may) from a scratch file."""
+    block = next(b for b in code_blocks(NODE_README, "js") if "require('./specsplit')" in b)
+    assert "'127.0.0.1:50051'" in block
+    script = tmp_path / "snippet.js"
+    script.write_text(
+        block.replace("'127.0.0.1:50051'", repr(cloud.address)).replace(
+            "require('./specsplit')", f"require({str(NODE_DIR / 'specsplit.js')!r})"
+        )
+    )
+    r = subprocess.run(
+        ["node", str(script)], cwd=NODE_DIR, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "the snippet printed nothing"
 
 
 @pytest.mark.slow
