@@ -512,8 +512,9 @@ def _parser() -> argparse.ArgumentParser:
         "--session-mode",
         choices=SESSION_MODES,
         default=AUTO,
-        help="lock-step rounds, cloud-led (the cloud never waits for drafts), or auto: "
-        "lock-step until its measurements say cloud-led is faster",
+        help="with --mode split, how its rounds run: lock-step rounds, "
+        "cloud-led (the cloud never waits for drafts), or auto: lock-step until its "
+        "measurements say cloud-led is faster",
     )
     g.add_argument(
         "--verification",
@@ -526,8 +527,9 @@ def _parser() -> argparse.ArgumentParser:
         "--mode",
         choices=MODES,
         default="split",
-        help="split: draft here, verify in the cloud; cloud-only: the target alone (the "
-        "baseline); edge-only: the draft alone, no cloud",
+        help="which models generate: split: draft here, verify in the cloud (its rounds: "
+        "--session-mode); cloud-only: the target alone (the baseline); edge-only: the draft "
+        "alone, no cloud",
     )
     g.add_argument(
         "--retry-window",
