@@ -254,3 +254,34 @@ def test_every_generated_page_says_when_and_where_it_was_measured_or_that_it_is_
             note = " ".join(line[1:].strip() for line in head.splitlines() if line.startswith(">"))
             assert re.search(r"\b[0-9a-f]{7}\b", note), f"{page.name}: the note names no commit"
             assert re.search(r"`make [\w-]+`", note), f"{page.name}: no command regenerates it"
+
+
+@pytest.mark.slow
+def test_the_openai_snippet_runs_against_a_real_edge_serve(cloud, tiny, tmp_path):
+    """The README's OpenAI snippet as written but for the address, against `specsplit-edge
+    serve` with the tiny draft (given a tokenizer, as tests/edge/openai does) and the tiny
+    cloud: it streams text and ends with the request's speculation stats."""
+    pytest.importorskip("openai")
+    from tests.edge.openai.test_openai import EdgeServe, write_tokenizer
+
+    block = next(b for b in code_blocks(README, "python") if "OpenAI(" in b)
+    assert '"http://127.0.0.1:8000/v1"' in block
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny.draft_onnx, draft)
+    write_tokenizer(draft)
+    serve = EdgeServe(
+        "--server", cloud.address, "--draft", str(draft), "--retry-window", "0",
+        log_path=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        script = tmp_path / "snippet.py"
+        script.write_text(block.replace('"http://127.0.0.1:8000/v1"', repr(serve.url)))
+        r = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+        )
+    finally:
+        serve.stop()
+    assert r.returncode == 0, r.stderr
+    text, _, stats = r.stdout.rstrip().rpartition("\n")
+    assert text.strip(), "the snippet streamed no text"
+    assert stats.lstrip().startswith("{") and "'acceptance_rate'" in stats, r.stdout[-500:]
