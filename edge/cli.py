@@ -20,6 +20,7 @@ from specsplit.edge.client import (
     check_token_transport,
 )
 from specsplit.edge.export.ensure import ensure_draft_onnx
+from specsplit.edge.gguf_tokenizer import gguf_tokenizer
 from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.models import (
     DEFAULT_DRAFT,
@@ -31,8 +32,14 @@ from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
+from specsplit.shared.cli_help import (
+    HelpFormatter,
+    add_version,
+    deprecated_alias,
+    renamed_values,
+)
 from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.weights.sources import SOURCES
 from specsplit.shared.weights.wheels import SourceError
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -43,6 +50,17 @@ VERIFICATION = {
 }
 # One default k for generate, serve and the Python API: GenerationConfig's.
 DRAFT_TOKENS = GenerationConfig.draft_tokens
+# --precision's values are named as the cloud's --dtype names float formats (float32, float16);
+# the export's own tags (edge.models.PRECISIONS: fp32, fp16, int4-fp16) name its cache entries.
+# The tags were the flag's values before: accepted, with a warning, for one release.
+PRECISION_TAGS = {tag.replace("fp", "float"): tag for tag in PRECISIONS}
+PRECISION_NAMES = {tag: name for name, tag in PRECISION_TAGS.items()}
+_OLD_PRECISIONS = {tag: name for name, tag in PRECISION_TAGS.items() if tag != name}
+
+
+def _tag(args) -> str:
+    """The export's tag for --precision (its value is a name of PRECISION_TAGS)."""
+    return PRECISION_TAGS[args.precision]
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -82,16 +100,20 @@ def _draft_dir(args) -> Path | None:
 
     Cloud-only drafts nothing: with token ids and no --draft it needs no draft (ids in, ids out);
     with a text prompt, the tokenizer of a draft already on disk (``cached_tokenizer_dir``: an
-    export or the converted Hugging Face directory), fetched and exported only where none is.
+    export or the converted Hugging Face directory), else for a default draft the one its cached
+    GGUF holds (``edge.gguf_tokenizer``); fetched and exported only where there is none.
     """
     if args.mode == "cloud-only":
         if args.prompt is None and not args.draft:
             return None
         if args.prompt is not None:
-            found = cached_tokenizer_dir(args.draft or DEFAULT_DRAFT)
+            spec = args.draft or DEFAULT_DRAFT
+            found = cached_tokenizer_dir(spec)
+            if found is None and spec in SOURCES:
+                found = gguf_tokenizer(SOURCES[spec])
             if found is not None:
                 return found
-    return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
+    return ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args))
 
 
 def _codec(args, draft_dir: Path | None):
@@ -235,7 +257,7 @@ def _serve(args) -> int:
     tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     cfg = ServeConfig(
         server=args.server,
-        draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision),
+        draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args)),
         model_name=args.served_model_name or args.target_name or "specsplit",
         mode=args.mode,
         concurrency=args.concurrency,
@@ -268,7 +290,7 @@ def _info(args) -> int:
 
     if args.steps < 1:
         raise SystemExit("specsplit-edge: --steps must be >= 1")
-    draft_dir = ensure_draft_onnx(args.draft or DEFAULT_DRAFT, args.precision)
+    draft_dir = ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args))
     drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
     ms = ms_per_token(drafter, args.steps)
     threads = (
@@ -284,7 +306,7 @@ def _info(args) -> int:
         ("offered", ", ".join(available_providers())),
         ("provider", f"{drafter.provider} (asked: {args.provider}{fallback})"),
         ("threads", threads),
-        ("draft", f"{draft_dir} ({drafter.precision})"),
+        ("draft", f"{draft_dir} ({PRECISION_NAMES.get(drafter.precision, drafter.precision)})"),
         ("ms/token", f"{ms:.2f} (median of {args.steps} single-token steps)"),
     ]
     for name, value in rows:
@@ -303,7 +325,7 @@ def _add_provider_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _pull(args) -> int:
-    print(ensure_draft_onnx(args.draft, args.precision, progress=True))
+    print(ensure_draft_onnx(args.draft, _tag(args), progress=True))
     return 0
 
 
@@ -315,7 +337,7 @@ def _export(args) -> int:
     out = export_onnx(
         Path(args.draft),
         Path(args.out),
-        precision=args.precision,
+        precision=_tag(args),
         progress=True,
         head_vocab=args.head_vocab,
     )
@@ -329,11 +351,17 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
         help="ONNX export dir, Hugging Face model dir (exported on first use), or a default "
         f"model name (default: {DEFAULT_DRAFT}, fetched and exported once, cached)",
     )
+    _add_precision_arg(p, "precision when the draft has to be exported")
+
+
+def _add_precision_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument(
         "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help="precision when the draft has to be exported",
+        type=renamed_values("specsplit-edge", "--precision", _OLD_PRECISIONS),
+        choices=tuple(PRECISION_TAGS),
+        default=PRECISION_NAMES[DEFAULT_PRECISION],
+        help=f"{help}: int8 or int4 weights (MatMulNBits) with float32 activations, float32, or "
+        "for GPU providers float16 and int4-float16",
     )
 
 
@@ -484,8 +512,9 @@ def _parser() -> argparse.ArgumentParser:
         "--session-mode",
         choices=SESSION_MODES,
         default=AUTO,
-        help="lock-step rounds, cloud-led (the cloud never waits for drafts), or auto: "
-        "lock-step until its measurements say cloud-led is faster",
+        help="with --mode split, how its rounds run: lock-step rounds, "
+        "cloud-led (the cloud never waits for drafts), or auto: lock-step until its "
+        "measurements say cloud-led is faster",
     )
     g.add_argument(
         "--verification",
@@ -498,8 +527,9 @@ def _parser() -> argparse.ArgumentParser:
         "--mode",
         choices=MODES,
         default="split",
-        help="split: draft here, verify in the cloud; cloud-only: the target alone (the "
-        "baseline); edge-only: the draft alone, no cloud",
+        help="which models generate: split: draft here, verify in the cloud (its rounds: "
+        "--session-mode); cloud-only: the target alone (the baseline); edge-only: the draft "
+        "alone, no cloud",
     )
     g.add_argument(
         "--retry-window",
@@ -536,12 +566,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", help="the draft's Hugging Face model directory (required)")
     deprecated_alias(e, "--model", "--draft")
     e.add_argument("--out", required=True, help="output directory")
-    e.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help="weight format of the export, as for the other commands",
-    )
+    _add_precision_arg(e, "weight format of the export")
     e.add_argument(
         "--head-vocab",
         type=int,

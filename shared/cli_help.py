@@ -1,5 +1,6 @@
 """What both CLIs (``specsplit-edge``, ``specsplit-cloud``) share in their argument parsing:
-defaults shown in every ``--help``, ``--version``, and old flag names kept as deprecated aliases.
+defaults shown in every ``--help``, ``--version``, and old flag names and values kept as
+deprecated aliases.
 
 Imports nothing beyond the standard library, so ``--help`` works on any install.
 """
@@ -67,3 +68,22 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwar
         help=argparse.SUPPRESS,
         **kwargs,
     )
+
+
+def renamed_values(prog: str, flag: str, renamed: dict[str, str]):
+    """An argparse ``type`` for a flag whose values were renamed: an old value is accepted as its
+    new name for one release, with a warning that names the new one. Give the flag
+    ``choices`` of the new names only, so ``--help`` and a bad value's error list those."""
+
+    def parse(value: str) -> str:
+        new = renamed.get(value)
+        if new is None:
+            return value
+        print(
+            f"{prog}: warning: {flag} {value} is deprecated and goes in the next release; "
+            f"use {flag} {new}",
+            file=sys.stderr,
+        )
+        return new
+
+    return parse

@@ -1,20 +1,54 @@
-"""Shared fixtures: tiny models (target, unrelated draft) with ONNX exports, a real cloud."""
+"""Shared fixtures: tiny models (target, unrelated draft) with ONNX exports, a real cloud; and
+the session's own model cache.
+
+The test session runs on a cache of its own (``SPECSPLIT_CACHE``, set before any test module is
+imported, inherited by every process the tests start), so what tiny and temporary models leave
+(``quantized/`` entries, exports in ``onnx/`` and its digest memo, ``edge/links.json``, their
+locks) never lands in the user's cache, and goes when the session ends. What the real models
+need is read from the user's cache where it lies (``REAL_CACHE``), never fetched again: the
+downloaded and converted weights (``wheels/``, ``gguf/``, ``hf/``), the compiled kernels and
+other builds are linked whole, so a first download still lands there; the real draft's exports
+and the real target's quantised weights are linked entry by entry, so new entries (a tiny
+model's) stay in the session's cache (tests/session_cache.py; README, "Cache: layout, cleanup,
+uninstall"). ``SPECSPLIT_TEST_CACHE`` names it, so a pytest run inside a test uses the same one.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from specsplit.cloud.supervision.process import CloudProcess
-from specsplit.shared.tiny import make_tiny_qwen2
+from specsplit.shared.steps import cache_dir
+from tests.session_cache import session_cache
+
+# The user's cache: ${SPECSPLIT_CACHE:-~/.cache/specsplit} as the session found it.
+REAL_CACHE = cache_dir()
+
+if os.environ.get("SPECSPLIT_TEST_CACHE") is None:
+    _SESSION_CACHE = session_cache(REAL_CACHE)
+    # rmtree unlinks the links and never follows them into the real cache.
+    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+    os.environ["SPECSPLIT_TEST_CACHE"] = str(_SESSION_CACHE)  # pytest run inside a test
+    os.environ["SPECSPLIT_CACHE"] = str(_SESSION_CACHE)
+
+from specsplit.cloud.supervision.process import CloudProcess  # noqa: E402
+from specsplit.shared.tiny import make_tiny_qwen2  # noqa: E402
 
 # Servers the tests start serve the target's float path, the one whose greedy output must equal
 # transformers' (the reference these tests compare with). The quantised paths have their own
 # tests, against the served target's own cloud-only output (tests/test_quantized_target.py).
 os.environ.setdefault("SPECSPLIT_TARGET_WEIGHTS", "float")
+
+
+@pytest.fixture(scope="session")
+def real_cache() -> Path:
+    """The user's cache, where the real models lie (read it; the session writes its own)."""
+    return REAL_CACHE
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ models), and the Node snippet parses."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import shutil
@@ -94,6 +95,31 @@ def test_the_readmes_shell_commands_use_flags_their_subcommand_has():
     assert checked >= 15  # the extraction found the commands
 
 
+def _valued(block: str) -> list[tuple[str, str]]:
+    """(flag, value) of every `--flag value` of a command line in ``block``."""
+    pairs = []
+    for _, *args in commands(block):
+        pairs += [(a, b) for a, b in zip(args, args[1:], strict=False) if a.startswith("--")]
+    return pairs
+
+
+def test_every_value_the_readme_gives_a_flag_with_choices_is_one_of_them():
+    """`--precision fp32` (an old name) or `--weights int3` in the README fails here: in its
+    commands and in prose (`--flag a|b` names several)."""
+    known = all_flags()
+    pairs = [p for block in code_blocks(README, "bash", "sh", "") for p in _valued(block)]
+    pairs += re.findall(r"`(--[a-z][a-z0-9-]*) ([\w.|-]+)`", README)
+    checked = 0
+    for flag, text in pairs:
+        choices = [a.choices for a in known.get(flag, []) if a.choices]
+        if not choices:
+            continue  # free-form, or another tool's flag
+        for value in text.split("|"):
+            assert any(value in c for c in choices), f"README: {flag} {value}; choices {choices}"
+            checked += 1
+    assert checked >= 8
+
+
 def test_every_flag_the_readme_names_exists():
     known = all_flags()
     for flag in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", README)):
@@ -143,6 +169,53 @@ def test_the_node_snippets_parse_as_commonjs(tmp_path):
         assert r.returncode == 0, r.stderr
 
 
+NODE_DIR = ROOT / "clients" / "node"
+needs_node_client = pytest.mark.skipif(
+    shutil.which("node") is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(),
+    reason="node or the Node client's packages (make node-client) are not installed",
+)
+
+
+@pytest.mark.slow
+@needs_node_client
+def test_the_node_readmes_shell_commands_run_against_a_real_cloud(cloud, tmp_path):
+    """Its shell block as written (but `make node-client`, done already), against the tiny
+    cloud's address, from a scratch directory (it writes drafts.json)."""
+    block = next(b for b in code_blocks(NODE_README, "bash") if "generate.js" in b)
+    assert "127.0.0.1:50051" in block and "make node-client" in block
+    script = "\n".join(line for line in block.splitlines() if not line.startswith("make "))
+    script = script.replace("127.0.0.1:50051", cloud.address).replace(
+        "clients/node/generate.js", str(NODE_DIR / "generate.js")
+    )
+    r = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+    assert [o["mode"] for o in outs] == ["cloud-only", "split"], outs
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and len(outs[0]["token_ids"]) == 24
+
+
+@pytest.mark.slow
+@needs_node_client
+def test_the_node_readmes_code_snippet_runs_against_a_real_cloud(cloud, tmp_path):
+    """Its `require('./specsplit')` snippet as written but for the address, and specsplit.js
+    required by its path (as it says one may) from a scratch file."""
+    block = next(b for b in code_blocks(NODE_README, "js") if "require('./specsplit')" in b)
+    assert "'127.0.0.1:50051'" in block
+    script = tmp_path / "snippet.js"
+    script.write_text(
+        block.replace("'127.0.0.1:50051'", repr(cloud.address)).replace(
+            "require('./specsplit')", f"require({str(NODE_DIR / 'specsplit.js')!r})"
+        )
+    )
+    r = subprocess.run(
+        ["node", str(script)], cwd=NODE_DIR, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "the snippet printed nothing"
+
+
 @pytest.mark.slow
 def test_the_python_client_snippet_runs_against_a_real_cloud(cloud, tiny, tmp_path):
     """The README's client snippet as written, but for the address, the tiny draft's export
@@ -161,3 +234,54 @@ def test_the_python_client_snippet_runs_against_a_real_cloud(cloud, tiny, tmp_pa
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), "the snippet printed nothing"
+
+
+GENERATED = ["benchmarks*.md", "load*.md", "soak.md", "peers*.md"]  # pages bench/ writes
+
+
+def test_every_generated_page_says_when_and_where_it_was_measured_or_that_it_is_stale():
+    """A figure without its date, commit and CPU went stale unnoticed (issue 41): each page
+    bench/ generates opens with bench.stamp's line or a visible stale note naming its commit and
+    the `make` target that regenerates it."""
+    pages = sorted({p for g in GENERATED for p in (ROOT / "docs").glob(g)})
+    assert len(pages) >= 6
+    for page in pages:
+        head = "\n".join(page.read_text().splitlines()[:12])
+        stamp = re.search(r"^Measured .+ at commit `[0-9a-f]{7,}` on \S", head, flags=re.M)
+        stale = re.search(r"^> \*\*Stale\.\*\* ", head, flags=re.M)
+        assert stamp or stale, f"{page.name}: no stamp and no stale note at its top"
+        if stale and not stamp:
+            note = " ".join(line[1:].strip() for line in head.splitlines() if line.startswith(">"))
+            assert re.search(r"\b[0-9a-f]{7}\b", note), f"{page.name}: the note names no commit"
+            assert re.search(r"`make [\w-]+`", note), f"{page.name}: no command regenerates it"
+
+
+@pytest.mark.slow
+def test_the_openai_snippet_runs_against_a_real_edge_serve(cloud, tiny, tmp_path):
+    """The README's OpenAI snippet as written but for the address, against `specsplit-edge
+    serve` with the tiny draft (given a tokenizer, as tests/edge/openai does) and the tiny
+    cloud: it streams text and ends with the request's speculation stats."""
+    pytest.importorskip("openai")
+    from tests.edge.openai.test_openai import EdgeServe, write_tokenizer
+
+    block = next(b for b in code_blocks(README, "python") if "OpenAI(" in b)
+    assert '"http://127.0.0.1:8000/v1"' in block
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny.draft_onnx, draft)
+    write_tokenizer(draft)
+    serve = EdgeServe(
+        "--server", cloud.address, "--draft", str(draft), "--retry-window", "0",
+        log_path=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        script = tmp_path / "snippet.py"
+        script.write_text(block.replace('"http://127.0.0.1:8000/v1"', repr(serve.url)))
+        r = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+        )
+    finally:
+        serve.stop()
+    assert r.returncode == 0, r.stderr
+    text, _, stats = r.stdout.rstrip().rpartition("\n")
+    assert text.strip(), "the snippet streamed no text"
+    assert stats.lstrip().startswith("{") and "'acceptance_rate'" in stats, r.stdout[-500:]

@@ -49,6 +49,54 @@ def test_both_clis_print_their_version(prog, capsys):
     assert version()[0].isdigit()
 
 
+def _choices(parser: argparse.ArgumentParser, flag: str) -> tuple[str, ...]:
+    return next(a.choices for a in parser._actions if flag in a.option_strings)
+
+
+def test_one_name_per_float_format_across_both_clis():
+    """The edge's --precision names its float formats as the cloud's --dtype does (float32,
+    float16), not fp32/fp16: every float word either CLI offers is the cloud's spelling."""
+    dtypes = set(_choices(subcommands(cloud_cli._parser())["serve"], "--dtype")) - {"auto"}
+    edge = subcommands(edge_cli._parser())
+    for command in ("export", "pull", "generate", "serve", "info"):
+        names = _choices(edge[command], "--precision")
+        floats = {part for name in names for part in name.split("-") if not part.startswith("int")}
+        assert floats <= dtypes and "float32" in floats, (command, names)
+        assert not any("fp" in name for name in names), (command, names)
+
+
+@pytest.mark.parametrize(
+    "old, new, tag",
+    [
+        ("fp32", "float32", "fp32"),
+        ("fp16", "float16", "fp16"),
+        ("int4-fp16", "int4-float16", "int4-fp16"),
+    ],
+)
+def test_old_precision_names_still_work_with_a_warning_and_reach_the_same_export(
+    old, new, tag, capsys, monkeypatch, tmp_path
+):
+    asked = []
+    monkeypatch.setattr(
+        edge_cli, "ensure_draft_onnx", lambda d, p, **kw: asked.append(p) or tmp_path
+    )
+    assert edge_cli.main(["pull", "--precision", old]) == 0
+    assert edge_cli.main(["pull", "--precision", new]) == 0
+    assert asked == [tag, tag]  # the export's own tag (edge.models.PRECISIONS), either way
+    err = capsys.readouterr().err
+    assert err.count("deprecated") == 1, err
+    assert f"--precision {old} is deprecated" in err and f"use --precision {new}" in err
+    assert old not in subcommands(edge_cli._parser())["pull"].format_help().replace(new, "")
+
+
+def test_a_precision_that_is_no_name_is_refused_with_the_names(capsys):
+    with pytest.raises(SystemExit) as exit:
+        edge_cli._parser().parse_args(["pull", "--precision", "fp64"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'fp64'" in err and "'float32', 'int8', 'int4'" in err
+
+
 def test_export_precision_defaults_to_the_other_commands_default():
     for command in ("export", "pull", "generate", "serve"):
         args = ["--draft", "m", "--out", "o"] if command == "export" else []

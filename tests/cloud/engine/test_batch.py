@@ -4,6 +4,7 @@ answers every request once, survives a failing batch."""
 import threading
 import time
 
+from specsplit.cloud.engine import batch
 from specsplit.cloud.engine.batch import BatchEngine
 from specsplit.cloud.engine.target import Close, Open, PassInfo, SessionParams, Verify
 from specsplit.shared.acceptance import VerificationMode
@@ -12,9 +13,29 @@ from specsplit.shared.sampling import SamplingConfig
 P = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
 
 
+class VirtualClock:
+    """The engine's clock (``batch.time``) in a test: time moves only when the test moves it, so
+    what the engine decides from its clock (the gather deadline, each session's turnaround) does
+    not depend on how fast this machine runs the threads."""
+
+    def __init__(self):
+        self._now, self._lock = 1000.0, threading.Lock()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance_to(self, t: float) -> None:
+        with self._lock:
+            self._now = max(self._now, t)
+
+
 class FakeTarget:
-    def __init__(self, pass_s: float = 0.05, fail: bool = False):
-        self.pass_s, self.fail = pass_s, fail
+    """A pass takes ``pass_s``: slept, or on a VirtualClock moved on by that much."""
+
+    def __init__(self, pass_s: float = 0.05, fail: bool = False, clock: VirtualClock | None = None):
+        self.pass_s, self.fail, self.clock = pass_s, fail, clock
+        self.during_first_pass = None  # called while the first pass runs
         self.batches: list[list[int]] = []
         self.sessions: dict = {}
 
@@ -25,46 +46,76 @@ class FakeTarget:
         if self.fail:
             raise RuntimeError("boom")
         self.batches.append(sorted(r.sid for r in requests))
-        time.sleep(self.pass_s)
+        if len(self.batches) == 1 and self.during_first_pass is not None:
+            self.during_first_pass()
+        if self.clock is None:
+            time.sleep(self.pass_s)
+        else:
+            self.clock.advance_to(self.clock.monotonic() + self.pass_s)
         return [None] * len(requests), PassInfo(len(requests), len(requests), self.pass_s * 1e3, 4)
 
 
-def closed_loop(engine, sids, rounds, turnaround_s=0.002):
-    """Each session sends its next request shortly after its response, like the gateway."""
+def closed_loop(engine, target, first, late, rounds, clock: VirtualClock, turnaround_s=0.002):
+    """Sessions ``first`` send their first request together; ``late`` theirs while the first
+    pass runs (so they start a pass behind: the alternating halves a scheduler that does not
+    wait would keep). Each then sends its next request ``turnaround_s`` after its response, like
+    the gateway: from its own thread, at a real moment the engine cannot predict, and at that
+    much past the response on the engine's clock (sessions turn around together, not in turn)."""
     done = threading.Event()
-    remaining = {sid: rounds for sid in sids}
+    remaining = {sid: rounds for sid in [*first, *late]}
     lock = threading.Lock()
+    threads = []
 
     def responder(sid):
         def respond(outcome, info):
+            answered, passes = clock.monotonic(), len(target.batches)
             with lock:
                 remaining[sid] -= 1
                 left = remaining[sid]
             if left > 0:
-                threading.Timer(turnaround_s, send, (sid,)).start()
+                args = ([sid], answered + turnaround_s, left == 1, passes)
+                t = threading.Thread(target=send, args=args)
+                threads.append(t)
+                t.start()
             elif all(v == 0 for v in remaining.values()):
                 done.set()
 
         return respond
 
-    def send(sid):
-        engine.submit([(Verify(sid, 1, [0]), responder(sid))])
+    def send(sids, at=None, last=False, passes=None):
+        if passes is not None:
+            # Always after the engine has decided what to do next: it waits (its condition has
+            # a waiter: CPython's Condition._waiters) or it has started the next pass. A
+            # session never comes back before then, the case where the engine would not wait.
+            while not (engine._cond._waiters or len(target.batches) > passes or engine._stopped):
+                time.sleep(0.001)
+        if at is not None:
+            clock.advance_to(at)
+        # a session's last round ends it (Verify.end), as the gateway's last round does
+        engine.submit([(Verify(sid, 1, [0], end=last), responder(sid)) for sid in sids])
 
-    for sid in sids:
-        send(sid)
+    target.during_first_pass = lambda: send(late)
+    send(first)
     assert done.wait(30)
+    for t in threads:
+        t.join()
 
 
-def test_closed_loop_sessions_stay_in_one_pass():
-    target = FakeTarget(pass_s=0.05)
+def test_closed_loop_sessions_stay_in_one_pass(monkeypatch):
+    """A pass of 50 ms, sessions that come back 2 ms after it (within its gather window of
+    0.15 x 50 = 7.5 ms, BatchEngine.gather_ms): after each pass the engine waits for the
+    sessions it served, however late their threads run, so two halves that started a pass apart
+    ride together from the second pass on, and every pass carries every live session."""
+    clock = VirtualClock()
+    monkeypatch.setattr(batch, "time", clock)  # the engine's clock only, not the test's
+    target = FakeTarget(pass_s=0.05, clock=clock)
     engine = BatchEngine(target)
     try:
-        closed_loop(engine, range(8), rounds=10)
+        closed_loop(engine, target, range(4), range(4, 8), rounds=10, clock=clock)
     finally:
         engine.stop()
-    # After the first pass or two, every pass carries all 8 sessions (no alternating halves).
-    assert all(len(b) == 8 for b in target.batches[3:]), target.batches
-    assert len(target.batches) <= 13
+    # 0-3 alone, then all 8 together for 0-3's other 9 rounds, then 4-7's last round alone.
+    assert target.batches == [[0, 1, 2, 3], *[list(range(8))] * 9, [4, 5, 6, 7]]
 
 
 def test_every_request_is_answered_once_even_when_a_batch_fails():
