@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 INT8_BLOCK = 32  # inputs per weight scale (MatMulNBits block_size), 8-bit and 4-bit alike
+BLOCK_SIZES = (32, 64, 128)  # the block sizes an export may choose (edge.export.exporter)
 
 
 def quantize_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

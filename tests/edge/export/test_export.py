@@ -202,3 +202,22 @@ def test_a_partial_lm_head_keeps_its_rows_exactly_and_never_proposes_the_others(
     assert all(t in kept for t in drafter_greedy(part, PROMPT, 16))
     with pytest.raises(ValueError, match="head_vocab"):
         export_onnx(qwen_dirs["tied"], tmp_path / "bad", head_vocab=-1)
+
+
+def test_block_size_and_head_bits_are_export_options(qwen_dirs, tmp_path):
+    """Every MatMulNBits takes the export's block size; the LM head its own bits."""
+    from specsplit.edge.export.exporter import QuantOptions
+
+    quant = QuantOptions(block=64, head_bits=4)
+    out = export_onnx(qwen_dirs["tied"], tmp_path / "b64", precision="int4", quant=quant)
+    nodes = [n for n in onnx.load(out / "model.onnx").graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: a.i for a in n.attribute} for n in nodes]
+    assert {a["block_size"] for a in attrs} == {64} and {a["bits"] for a in attrs} == {4}
+    meta = json.loads((out / "specsplit_draft.json").read_text())
+    assert (meta["block_size"], meta["head_bits"]) == (64, 4)
+    logits = OnnxDrafter(out, providers=CPU).forward(PROMPT, True)
+    assert logits.shape == (len(PROMPT), 256) and np.isfinite(logits).all()
+    with pytest.raises(ValueError, match="block size"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "bad", "int8", quant=QuantOptions(block=48))
+    with pytest.raises(ValueError, match="head_bits"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "bad", "int8", quant=QuantOptions(head_bits=2))
