@@ -204,9 +204,11 @@ class OnnxDrafter:
         providers: list[str] | None = None,
         threads: int | None = None,
         provider: str = AUTO,
+        profile: bool = False,
     ) -> None:
         """``provider``: a --provider name (``choose_provider``); ``providers``, ONNX Runtime's
-        own list, overrides it."""
+        own list, overrides it. ``profile``: ONNX Runtime's profiler records every pass until
+        ``end_profiling`` (bench.draft_prefill)."""
         model_dir = Path(model_dir)
         meta = json.loads((model_dir / METADATA_FILE).read_text())
         if meta.get("format") != SUPPORTED_FORMAT:
@@ -235,6 +237,7 @@ class OnnxDrafter:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.inter_op_num_threads = 1
+        options.enable_profiling = profile
         if threads is not None:
             options.intra_op_num_threads = threads
         self.threads = threads  # None: ONNX Runtime's default (one per physical core)
@@ -330,6 +333,10 @@ class OnnxDrafter:
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def end_profiling(self) -> str:
+        """Stops the profiler (``profile=True``); returns the path of its JSON trace."""
+        return self._session.end_profiling()
 
 
 def runtime_distribution() -> str:
