@@ -9,7 +9,8 @@ the fraction of those positions where its top token, given the target's text so 
 (teacher-forced, one pass per prompt), is the target's token: the greedy acceptance rate of a
 one-token block.
 
-Step time: the median of ``--steps`` single-token steps after a 300-token prompt, in CPU time
+Step time: the median of ``--rounds`` x ``--steps`` single-token steps after a 300-token
+prompt, the drafters taking turns, in CPU time
 of this process (``time.process_time``: one thread, so a core shared with other work inflates
 it less than wall time) and in wall time. Pin it to one core (``taskset -c 0``).
 """
@@ -70,18 +71,28 @@ def agreement(drafter, prompts, continuations) -> dict[str, float]:
     return {cls: float(np.mean(h)) for cls, h in hits.items()}
 
 
-def step_ms(drafter, steps: int, context: list[int]) -> tuple[float, float]:
-    """Median (CPU ms, wall ms) of a single-token step after ``context``."""
-    drafter.reset()
-    token = int(np.argmax(drafter.forward(context)[-1]))
-    cpu, wall = [], []
-    for _ in range(steps):
-        c0, w0 = time.process_time(), time.perf_counter()
-        token = int(np.argmax(drafter.forward([token])[-1]))
-        cpu.append((time.process_time() - c0) * 1e3)
-        wall.append((time.perf_counter() - w0) * 1e3)
-    drafter.reset()
-    return float(np.median(cpu)), float(np.median(wall))
+def step_times(drafters, steps: int, rounds: int, context: list[int]) -> list[tuple[float, float]]:
+    """Median (CPU ms, wall ms) of each drafter's single-token steps after ``context``; the
+    drafters take turns, ``steps`` steps each a round, so a busy spell on a shared core falls on
+    all of them alike."""
+    cpu: list[list[float]] = [[] for _ in drafters]
+    wall: list[list[float]] = [[] for _ in drafters]
+    tokens = []
+    for drafter in drafters:
+        drafter.reset()
+        tokens.append(int(np.argmax(drafter.forward(context)[-1])))
+    for _ in range(rounds):
+        for i, drafter in enumerate(drafters):
+            drafter.truncate(len(context))
+            token = tokens[i]
+            for _ in range(steps):
+                c0, w0 = time.process_time(), time.perf_counter()
+                token = int(np.argmax(drafter.forward([token])[-1]))
+                cpu[i].append((time.process_time() - c0) * 1e3)
+                wall[i].append((time.perf_counter() - w0) * 1e3)
+    for drafter in drafters:
+        drafter.reset()
+    return [(float(np.median(c)), float(np.median(w))) for c, w in zip(cpu, wall, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("drafts", nargs="+", type=Path, help="export directories")
     p.add_argument("--prompts", type=int, default=3, help="per class (code, prose)")
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="steps a drafter takes per round")
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reference", type=Path, default=Path("draft_agreement_reference.json"))
     args = p.parse_args(argv)
 
@@ -97,28 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.edge.text import TextCodec
 
     prompts = chat_prompts(TextCodec(args.drafts[0]), args.prompts)
-    key = {"prompts": prompts, "tokens": args.tokens, "target": TARGET}
+    key = json.loads(json.dumps({"prompts": prompts, "tokens": args.tokens, "target": TARGET}))
     saved = json.loads(args.reference.read_text()) if args.reference.exists() else {}
     if saved.get("key") != key:
         saved = {"key": key, "continuations": target_continuations(prompts, args.tokens)}
         args.reference.write_text(json.dumps(saved))
     continuations = saved["continuations"]
     context = [t for _, prompt in prompts for t in prompt] * 8
+    drafters = [OnnxDrafter(draft, threads=1) for draft in args.drafts]
+    agree = [agreement(drafter, prompts, continuations) for drafter in drafters]
+    times = step_times(drafters, args.steps, args.rounds, context[:300])
     print(
         "| draft | ms/token (CPU) | ms/token (wall) | agreement, code | agreement, prose | bytes |"
     )
     print("|---|---|---|---|---|---|")
-    for draft in args.drafts:
-        drafter = OnnxDrafter(draft, threads=1)
-        agree = agreement(drafter, prompts, continuations)
-        cpu, wall = step_ms(drafter, args.steps, context[:300])
+    for draft, a, (cpu, wall) in zip(args.drafts, agree, times, strict=True):
         size = sum(f.stat().st_size for f in draft.iterdir() if f.name.startswith("model.onnx"))
         print(
-            f"| {draft.name} | {cpu:.1f} | {wall:.1f} | {agree['code']:.3f} | "
-            f"{agree['prose']:.3f} | {size / 1e6:.0f} MB |",
-            flush=True,
+            f"| {draft.name} | {cpu:.1f} | {wall:.1f} | {a['code']:.3f} | {a['prose']:.3f} | "
+            f"{size / 1e6:.0f} MB |"
         )
-        del drafter
     return 0
 
 

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specsplit.edge.export.onnx_quant import (
     BLOCK_SIZES,
     INT8_BLOCK,
+    block_for,
     quantize_blocks,
     quantize_blocks_4bit,
 )
@@ -132,17 +133,19 @@ class GraphBuilder:
             )
         n, k = weight.shape
         bits = bits or (4 if self.precision in ("int4", "int4-fp16") else 8)
+        block = self.block
         if bits == 8:
-            blocks, scales = quantize_blocks(weight, self.block)  # [n, k/b, b], [n * k/b]
+            blocks, scales = quantize_blocks(weight, block)  # [n, k/b, b], [n * k/b]
             zero = []
         else:
-            blocks, scales, zeros = quantize_blocks_4bit(weight, self.block)
+            block = block_for(k, block)
+            blocks, scales, zeros = quantize_blocks_4bit(weight, block)
             zero = [self.const(f"{name}.zero_q4", zeros)]
         inputs = [x, self.const(f"{name}.weight_q{bits}", blocks)]
         inputs += [self.const(f"{name}.scale", scales.astype(dtype)), *zero]
         return self.op(
             "MatMulNBits", inputs, out=out, domain="com.microsoft",
-            K=k, N=n, bits=bits, block_size=self.block, accuracy_level=4,
+            K=k, N=n, bits=bits, block_size=block, accuracy_level=4,
         )  # fmt: skip
 
     def rms_norm(self, x: str, weight: np.ndarray, name: str, eps: float) -> str:

@@ -36,14 +36,16 @@ def on_4bit_grids(src: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from specsplit.edge.export.onnx_quant import INT8_BLOCK, quantize_blocks_4bit
+    from specsplit.edge.export.exporter import QuantOptions
+    from specsplit.edge.export.onnx_quant import block_for, quantize_blocks_4bit
 
     shutil.copytree(src, dst)
     (path,) = dst.glob("*.safetensors")
     state = load_file(path)
     for name, w in state.items():
         if name.endswith("proj.weight"):
-            packed, scales, zeros = quantize_blocks_4bit(w.float().numpy(), INT8_BLOCK)
+            block = block_for(w.shape[1], QuantOptions().block)  # the export's
+            packed, scales, zeros = quantize_blocks_4bit(w.float().numpy(), block)
             n, blocks = packed.shape[:2]
             q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1)
             z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)[:, :blocks]
