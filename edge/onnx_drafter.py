@@ -38,6 +38,7 @@ METADATA_FILE = (
     "specsplit_draft.json"  # same name as edge.export.exporter writes (not imported: no torch)
 )
 SUPPORTED_FORMAT = 1
+SAME_IO = (3, GRAPH_FORMAT)  # graph formats whose I/O this drafter runs (4 changed the layout)
 INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
 PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt, at most ...
 # ... and fewer where the cache is long: one pass holds attention scores of [heads, chunk,
@@ -213,7 +214,7 @@ class OnnxDrafter:
         meta = json.loads((model_dir / METADATA_FILE).read_text())
         if meta.get("format") != SUPPORTED_FORMAT:
             raise ValueError(f"{model_dir}: draft format {meta.get('format')}, need 1")
-        if meta.get("graph_format") != GRAPH_FORMAT:
+        if meta.get("graph_format") not in SAME_IO:
             raise ValueError(
                 f"{model_dir} was exported with graph format {meta.get('graph_format')}; this "
                 f"version runs format {GRAPH_FORMAT} (the prefill's logits of the last position "

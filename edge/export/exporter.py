@@ -16,7 +16,8 @@ sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` con
 The output is built in a temporary sibling directory and renamed into place, so a failed export
 never leaves a half-written ``out_dir``. Precisions: ``fp32``; ``int8`` (block-wise int8
 weights in MatMulNBits for every Linear, a per-row int8 embedding) and ``int4`` (4-bit
-MatMulNBits, asymmetric blocks of 32, for every Linear but the LM head, which stays int8); see
+MatMulNBits, asymmetric blocks, for every Linear but the LM head, which stays int8); the block
+size (default ``onnx_quant.DEFAULT_BLOCK``) and the LM head's bits are ``QuantOptions``; see
 ``edge.export.onnx_graph``.
 Reading weights needs numpy only; torch is not imported here.
 """
@@ -36,7 +37,7 @@ import numpy as np
 from specsplit.edge.export import token_freq
 from specsplit.edge.export.families import ModelSpec, check_architecture, read_spec
 from specsplit.edge.export.onnx_graph import OPSET, build_model
-from specsplit.edge.export.onnx_quant import INT8_BLOCK
+from specsplit.edge.export.onnx_quant import DEFAULT_BLOCK
 from specsplit.edge.models import GRAPH_FORMAT, PRECISIONS
 from specsplit.shared.tokenizer_fingerprint import token_count, tokenizer_fingerprint
 
@@ -62,7 +63,7 @@ COPIED_FILES = (
 class QuantOptions:
     """How the quantised precisions store their Linears (``edge.export.onnx_graph``)."""
 
-    block: int = INT8_BLOCK  # inputs per weight scale, one of onnx_quant.BLOCK_SIZES
+    block: int = DEFAULT_BLOCK  # inputs per weight scale, one of onnx_quant.BLOCK_SIZES
     head_bits: int = 8  # the LM head's bits (4 or 8)
 
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specsplit.edge.export.onnx_quant import (
     BLOCK_SIZES,
-    INT8_BLOCK,
+    DEFAULT_BLOCK,
     block_for,
     quantize_blocks,
     quantize_blocks_4bit,
@@ -60,7 +60,7 @@ class ExternalData:
 class GraphBuilder:
     """Accumulates nodes and initializers; every helper returns its output name."""
 
-    def __init__(self, data: ExternalData, precision: str, block: int = INT8_BLOCK) -> None:
+    def __init__(self, data: ExternalData, precision: str, block: int = DEFAULT_BLOCK) -> None:
         if block not in BLOCK_SIZES:
             raise ValueError(f"block size must be one of {BLOCK_SIZES}, not {block}")
         self.nodes: list[onnx.NodeProto] = []

@@ -42,15 +42,15 @@ each query head separately), so the whole draft step was 10-15% slower at that c
 CUDA kernel takes fp16/bf16 only, which would leave this fp32-activation graph's attention on
 the CPU. Both matched transformers on the tiny models to fp32 rounding.
 
-Precision "int8" is quantised here, not by a separate pass: every Linear becomes
-com.microsoft MatMulNBits (8-bit weights, symmetric, one scale per ``INT8_BLOCK`` inputs;
-accuracy_level 4 lets ORT quantise activations per block too and use int8 dot products), the
-embedding a per-row int8 table. Norms, biases, rotary and attention stay fp32. Measured on
-Qwen2.5-Coder-0.5B this is ~10x closer to fp32 logits than onnxruntime's quantize_dynamic
-(per-tensor activation scales), at about the same speed. Precision "int4" makes every Linear
-but the LM head 4-bit MatMulNBits (asymmetric blocks of 32 with integer zero points: float zero
-points, which could hold a Q4_K group exactly, send ORT to a ~50x slower kernel); the LM head
-stays int8, its logits being what the draft is judged by.
+Precision "int8" is quantised here, not by a separate pass: every Linear becomes com.microsoft
+MatMulNBits (8-bit weights, symmetric, one scale per block of ``onnx_quant.DEFAULT_BLOCK`` inputs
+unless the export chooses another; accuracy_level 4 lets ORT quantise activations per block too and
+use int8 dot products), the embedding a per-row int8 table. Norms, biases, rotary and attention stay
+fp32. Measured on Qwen2.5-Coder-0.5B this is ~10x closer to fp32 logits than onnxruntime's
+quantize_dynamic (per-tensor activation scales), at about the same speed. Precision "int4" makes
+every Linear but the LM head 4-bit MatMulNBits (asymmetric blocks with integer zero points: float
+zero points, which could hold a Q4_K group exactly, send ORT to a ~50x slower kernel); the LM head
+stays int8 by default, its logits being what the draft is judged by (4 bits: an export option).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from onnx import TensorProto, helper
 
 from specsplit.edge.export.families import ModelSpec
 from specsplit.edge.export.onnx_builder import ExternalData, GraphBuilder, f32
-from specsplit.edge.export.onnx_quant import INT8_BLOCK
+from specsplit.edge.export.onnx_quant import DEFAULT_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def build_model(
     precision: str = "fp32",
     on_layer: Callable[[int, int], None] | None = None,
     head_rows: np.ndarray | None = None,
-    block: int = INT8_BLOCK,
+    block: int = DEFAULT_BLOCK,
     head_bits: int = 8,
 ) -> None:
     """Writes ``out_path`` (graph) and ``out_path.data`` (external weights).

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-INT8_BLOCK = 32  # inputs per weight scale (MatMulNBits block_size), 8-bit and 4-bit alike
+# Inputs per weight scale (MatMulNBits block_size), 8-bit and 4-bit alike. 128, not 32: on one
+# AMD EPYC core (Qwen2.5-Coder-0.5B) the int4 step is 28% shorter and the prefill 29% faster, at
+# the same teacher-forced agreement with the target (README.md, "Draft precision").
+DEFAULT_BLOCK = 128
 BLOCK_SIZES = (32, 64, 128)  # the block sizes an export may choose (edge.export.exporter)
 
 

@@ -139,7 +139,7 @@ def test_metadata_and_copied_files(tmp_path):
         [7],
         "qwen2",
     )
-    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 3, "hf")
+    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 4, "hf")
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
@@ -223,3 +223,14 @@ def test_block_size_and_head_bits_are_export_options(qwen_dirs, tmp_path):
         export_onnx(qwen_dirs["tied"], tmp_path / "bad", "int8", quant=QuantOptions(block=48))
     with pytest.raises(ValueError, match="head_bits"):
         export_onnx(qwen_dirs["tied"], tmp_path / "bad", "int8", quant=QuantOptions(head_bits=2))
+
+
+def test_an_export_of_graph_format_3_still_runs(draft_exports, tmp_path):
+    """Format 4 changed the export's layout (blocks of 128), not its I/O: a format-3 export
+    directory given by path runs as before."""
+    old = tmp_path / "g3"
+    shutil.copytree(draft_exports["tied", "int8"], old)
+    meta = json.loads((old / "specsplit_draft.json").read_text())
+    (old / "specsplit_draft.json").write_text(json.dumps({**meta, "graph_format": 3}))
+    ref = OnnxDrafter(draft_exports["tied", "int8"], providers=CPU).forward(PROMPT)
+    np.testing.assert_array_equal(OnnxDrafter(old, providers=CPU).forward(PROMPT), ref)
