@@ -64,7 +64,8 @@ def agreement(drafter, prompts, continuations) -> dict[str, float]:
     hits: dict[str, list[bool]] = {}
     for (cls, prompt), cont in zip(prompts, continuations, strict=True):
         drafter.reset()
-        drafter.forward(prompt[:-1])
+        if len(prompt) > 1:
+            drafter.forward(prompt[:-1])
         logits = drafter.forward([prompt[-1], *cont[:-1]], all_logits=True)  # [len(cont), V]
         hits.setdefault(cls, []).extend((logits.argmax(axis=-1) == np.asarray(cont)).tolist())
     drafter.reset()
