@@ -70,3 +70,18 @@ def test_op_times_sum_node_kernel_events_per_operator(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(events))
     assert op_times(profile) == {"Softmax": 3.0, "MatMul": 2.0}
+
+
+def test_every_gemm_format_computes_the_linear():
+    """bench.draft_gemm times what it claims: each format's one-node graph is x @ W.T, to its
+    quantisation's precision."""
+    from bench.draft_gemm import FORMATS, gemm_session
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 256)).astype(np.float32) * 0.02  # [n, k]
+    x = rng.standard_normal((1, 5, 256)).astype(np.float32)  # [1, m, k]
+    ref = x @ weight.T
+    for label, *fmt in FORMATS:
+        y = gemm_session(weight, *fmt).run(None, {"x": x})[0]
+        error = np.sqrt(np.mean((y - ref) ** 2) / np.mean(ref**2))  # a wrong layout: ~1.4
+        assert error < 0.2, (label, error)
