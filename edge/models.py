@@ -34,10 +34,12 @@ PRECISIONS = (
     "fp16",
     "int4-fp16",
 )  # edge.export.exporter's weight formats (edge.export.onnx_graph); *fp16: for GPU providers
-# The graph's I/O contract (edge.export.onnx_graph), checked by the drafter. 3: the LM head runs
+# The graph's I/O contract (edge.export.onnx_graph), checked by the drafter, and the export's
+# layout, which names the cached export. 4: MatMulNBits blocks of 128 (edge.export.onnx_quant;
+# the I/O of 3, so the drafter runs 3 too: only the cache exports again). 3: the LM head runs
 # from input logits_from on (a prefill computes its last position's logits only); 2: the KV cache
 # is one buffer per layer written in place (TensorScatter); 1 returned concat(past, new) each step.
-GRAPH_FORMAT = 3
+GRAPH_FORMAT = 4
 # int4: the split is faster with it, though it agrees less with the target. Qwen2.5-Coder-0.5B
 # on one Xeon core: int8 52 ms/token, int4 38; teacher-forced agreement with the int4 target on
 # code 0.927 vs 0.896 (prose 0.714 vs 0.745): the GGUF's tensors are mostly 5-bit, which 4 bits

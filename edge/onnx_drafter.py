@@ -38,6 +38,7 @@ METADATA_FILE = (
     "specsplit_draft.json"  # same name as edge.export.exporter writes (not imported: no torch)
 )
 SUPPORTED_FORMAT = 1
+SAME_IO = (3, GRAPH_FORMAT)  # graph formats whose I/O this drafter runs (4 changed the layout)
 INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
 PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt, at most ...
 # ... and fewer where the cache is long: one pass holds attention scores of [heads, chunk,
@@ -204,14 +205,16 @@ class OnnxDrafter:
         providers: list[str] | None = None,
         threads: int | None = None,
         provider: str = AUTO,
+        profile: bool = False,
     ) -> None:
         """``provider``: a --provider name (``choose_provider``); ``providers``, ONNX Runtime's
-        own list, overrides it."""
+        own list, overrides it. ``profile``: ONNX Runtime's profiler records every pass until
+        ``end_profiling`` (bench.draft_prefill)."""
         model_dir = Path(model_dir)
         meta = json.loads((model_dir / METADATA_FILE).read_text())
         if meta.get("format") != SUPPORTED_FORMAT:
             raise ValueError(f"{model_dir}: draft format {meta.get('format')}, need 1")
-        if meta.get("graph_format") != GRAPH_FORMAT:
+        if meta.get("graph_format") not in SAME_IO:
             raise ValueError(
                 f"{model_dir} was exported with graph format {meta.get('graph_format')}; this "
                 f"version runs format {GRAPH_FORMAT} (the prefill's logits of the last position "
@@ -235,6 +238,7 @@ class OnnxDrafter:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.inter_op_num_threads = 1
+        options.enable_profiling = profile
         if threads is not None:
             options.intra_op_num_threads = threads
         self.threads = threads  # None: ONNX Runtime's default (one per physical core)
@@ -331,6 +335,10 @@ class OnnxDrafter:
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def end_profiling(self) -> str:
+        """Stops the profiler (``profile=True``); returns the path of its JSON trace."""
+        return self._session.end_profiling()
 
 
 def runtime_distribution() -> str:

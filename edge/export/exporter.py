@@ -17,7 +17,8 @@ sharded; f32, f16 or bf16; tied or untied embeddings) and writes ``out_dir`` con
 The output is built in a temporary sibling directory and renamed into place, so a failed export
 never leaves a half-written ``out_dir``. Precisions: ``fp32``; ``int8`` (block-wise int8
 weights in MatMulNBits for every Linear, a per-row int8 embedding) and ``int4`` (4-bit
-MatMulNBits, asymmetric blocks of 32, for every Linear but the LM head, which stays int8); see
+MatMulNBits, asymmetric blocks, for every Linear but the LM head, which stays int8); the block
+size (default ``onnx_quant.DEFAULT_BLOCK``) and the LM head's bits are ``QuantOptions``; see
 ``edge.export.onnx_graph``.
 Reading weights needs numpy only; torch is not imported here.
 """
@@ -29,12 +30,15 @@ import logging
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from specsplit.edge.export import token_freq
 from specsplit.edge.export.families import ModelSpec, check_architecture, read_spec
 from specsplit.edge.export.onnx_graph import OPSET, build_model
+from specsplit.edge.export.onnx_quant import DEFAULT_BLOCK
 from specsplit.edge.models import GRAPH_FORMAT, PRECISIONS
 from specsplit.shared.tokenizer_fingerprint import token_count, tokenizer_fingerprint
 
@@ -54,6 +58,16 @@ COPIED_FILES = (
     "generation_config.json",
     "config.json",
 )
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """How the quantised precisions store their Linears (``edge.export.onnx_graph``)."""
+
+    block: int = DEFAULT_BLOCK  # inputs per weight scale, one of onnx_quant.BLOCK_SIZES
+    head_bits: int = 8  # the LM head's bits (4 or 8)
+
+
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 
 
@@ -108,17 +122,29 @@ def eos_token_ids(model_dir: Path, config: dict) -> list[int]:
     return found
 
 
-def head_rows(model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int) -> np.ndarray | None:
+def head_rows(
+    model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int, table: Path | None = None
+) -> np.ndarray | None:
     """The token ids a draft's LM head keeps when it covers ``head_vocab`` of the vocabulary
-    (0: all of it): the ``head_vocab`` lowest ids, which byte-level BPE vocabularies (Qwen,
-    Llama 3, GPT-2 style) number in merge order, roughly by frequency, plus every special or
-    added token and the EOS ids, without which a draft could never propose the end. The cost of
-    an LM head is its rows (a 0.5B draft's 136 MB of 494 MB per token at 151,936 rows); the
-    draft simply never proposes the others, which keeps speculation exact (q = 0 there)."""
+    (0: all of it), rising: the ``head_vocab`` most frequent ids by ``edge.export.token_freq``'s
+    table (``table``, default its ``TABLE``) where that table was computed with this tokenizer
+    (the ids a corpus never showed follow, by id), else the ``head_vocab`` lowest ids (byte-level
+    BPE vocabularies number in merge order, roughly by frequency); plus every special or added
+    token and the EOS ids, without which a draft could never propose the end. The cost of an LM
+    head is its rows (a 0.5B draft's 136 MB of 494 MB per token at 151,936 rows); the draft
+    simply never proposes the others, which keeps speculation exact (q = 0 there)."""
     if not head_vocab or head_vocab >= spec.vocab_size:
         return None
-    keep = set(range(head_vocab)) | set(eos_token_ids(model_dir, config))
     tokenizer = model_dir / "tokenizer.json"
+    ranked = token_freq.ranking(tokenizer, table or token_freq.TABLE)
+    if ranked is None:
+        log.warning("no token frequencies for %s's tokenizer: its LM head keeps the lowest ids",
+                    model_dir.name)  # fmt: skip
+        order = np.arange(spec.vocab_size)
+    else:
+        ranked = ranked[ranked < spec.vocab_size]
+        order = np.concatenate([ranked, np.setdiff1d(np.arange(spec.vocab_size), ranked)])
+    keep = set(order[:head_vocab].tolist()) | set(eos_token_ids(model_dir, config))
     if tokenizer.exists():
         added = json.loads(tokenizer.read_text()).get("added_tokens", [])
         keep |= {int(t["id"]) for t in added if int(t["id"]) < spec.vocab_size}
@@ -168,7 +194,14 @@ def _metadata(model_dir: Path, config: dict, spec: ModelSpec, precision: str) ->
     }
 
 
-def _write(model_dir: Path, tmp: Path, precision: str, progress: bool, head_vocab: int) -> None:
+def _write(
+    model_dir: Path,
+    tmp: Path,
+    precision: str,
+    progress: bool,
+    head_vocab: int,
+    quant: QuantOptions,
+) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     check_architecture(config)  # before looking for weights
     weights = SafetensorsWeights(model_dir)
@@ -179,11 +212,14 @@ def _write(model_dir: Path, tmp: Path, precision: str, progress: bool, head_voca
         log.log(level, "export %s: layer %d/%d", model_dir.name, done, total)
 
     rows = head_rows(model_dir, config, spec, head_vocab)
-    build_model(spec, weights, tmp / ONNX_FILE, precision, on_layer, rows)
+    build_model(
+        spec, weights, tmp / ONNX_FILE, precision, on_layer, rows, quant.block, quant.head_bits
+    )
     for name in COPIED_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, tmp / name)
     meta = _metadata(model_dir, config, spec, precision)
+    meta["block_size"], meta["head_bits"] = quant.block, quant.head_bits
     if rows is not None:
         np.save(tmp / HEAD_IDS_FILE, rows)
         meta["lm_head_ids"] = HEAD_IDS_FILE
@@ -200,10 +236,12 @@ def export_onnx(
     precision: str = "fp32",
     progress: bool = False,
     head_vocab: int = 0,
+    quant: QuantOptions | None = None,
 ) -> Path:
     """Exports ``model_dir`` (a Hugging Face checkpoint of a supported family) to ``out_dir``;
     returns ``out_dir``. Replaces an old one.
-    ``head_vocab``: an LM head over that many of the vocabulary's ids (``head_rows``); 0: all."""
+    ``head_vocab``: an LM head over that many of the vocabulary's ids (``head_rows``); 0: all.
+    ``quant``: MatMulNBits block size and LM head bits (``QuantOptions``; the defaults)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unsupported precision {precision!r}; choose one of {PRECISIONS}")
     if head_vocab < 0:
@@ -212,7 +250,7 @@ def export_onnx(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write(model_dir, tmp, precision, progress, head_vocab)
+        _write(model_dir, tmp, precision, progress, head_vocab, quant or QuantOptions())
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             out_dir.rename(old / "replaced")

@@ -11,7 +11,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specsplit.edge.export.onnx_quant import INT8_BLOCK, quantize_blocks, quantize_blocks_4bit
+from specsplit.edge.export.onnx_quant import (
+    BLOCK_SIZES,
+    DEFAULT_BLOCK,
+    block_for,
+    quantize_blocks,
+    quantize_blocks_4bit,
+)
 
 HALF = ("fp16", "int4-fp16")  # precisions whose Linears compute in float16
 
@@ -54,7 +60,9 @@ class ExternalData:
 class GraphBuilder:
     """Accumulates nodes and initializers; every helper returns its output name."""
 
-    def __init__(self, data: ExternalData, precision: str) -> None:
+    def __init__(self, data: ExternalData, precision: str, block: int = DEFAULT_BLOCK) -> None:
+        if block not in BLOCK_SIZES:
+            raise ValueError(f"block size must be one of {BLOCK_SIZES}, not {block}")
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.precision = precision
@@ -63,6 +71,7 @@ class GraphBuilder:
         # Linears computed in float16 (their inputs cast down, their outputs back up): the GPU
         # providers' fast GEMMs and MatMulNBits kernels take fp16 activations
         self.half = precision in HALF
+        self.block = block  # inputs per weight scale of every MatMulNBits
         self._data = data
         self._count = 0
         self._consts: set[str] = set()
@@ -124,17 +133,19 @@ class GraphBuilder:
             )
         n, k = weight.shape
         bits = bits or (4 if self.precision in ("int4", "int4-fp16") else 8)
+        block = self.block
         if bits == 8:
-            blocks, scales = quantize_blocks(weight, INT8_BLOCK)  # [n, k/b, b], [n * k/b]
+            blocks, scales = quantize_blocks(weight, block)  # [n, k/b, b], [n * k/b]
             zero = []
         else:
-            blocks, scales, zeros = quantize_blocks_4bit(weight, INT8_BLOCK)
+            block = block_for(k, block)
+            blocks, scales, zeros = quantize_blocks_4bit(weight, block)
             zero = [self.const(f"{name}.zero_q4", zeros)]
         inputs = [x, self.const(f"{name}.weight_q{bits}", blocks)]
         inputs += [self.const(f"{name}.scale", scales.astype(dtype)), *zero]
         return self.op(
             "MatMulNBits", inputs, out=out, domain="com.microsoft",
-            K=k, N=n, bits=bits, block_size=INT8_BLOCK, accuracy_level=4,
+            K=k, N=n, bits=bits, block_size=block, accuracy_level=4,
         )  # fmt: skip
 
     def rms_norm(self, x: str, weight: np.ndarray, name: str, eps: float) -> str:

@@ -42,15 +42,15 @@ each query head separately), so the whole draft step was 10-15% slower at that c
 CUDA kernel takes fp16/bf16 only, which would leave this fp32-activation graph's attention on
 the CPU. Both matched transformers on the tiny models to fp32 rounding.
 
-Precision "int8" is quantised here, not by a separate pass: every Linear becomes
-com.microsoft MatMulNBits (8-bit weights, symmetric, one scale per ``INT8_BLOCK`` inputs;
-accuracy_level 4 lets ORT quantise activations per block too and use int8 dot products), the
-embedding a per-row int8 table. Norms, biases, rotary and attention stay fp32. Measured on
-Qwen2.5-Coder-0.5B this is ~10x closer to fp32 logits than onnxruntime's quantize_dynamic
-(per-tensor activation scales), at about the same speed. Precision "int4" makes every Linear
-but the LM head 4-bit MatMulNBits (asymmetric blocks of 32 with integer zero points: float zero
-points, which could hold a Q4_K group exactly, send ORT to a ~50x slower kernel); the LM head
-stays int8, its logits being what the draft is judged by.
+Precision "int8" is quantised here, not by a separate pass: every Linear becomes com.microsoft
+MatMulNBits (8-bit weights, symmetric, one scale per block of ``onnx_quant.DEFAULT_BLOCK`` inputs
+unless the export chooses another; accuracy_level 4 lets ORT quantise activations per block too and
+use int8 dot products), the embedding a per-row int8 table. Norms, biases, rotary and attention stay
+fp32. Measured on Qwen2.5-Coder-0.5B this is ~10x closer to fp32 logits than onnxruntime's
+quantize_dynamic (per-tensor activation scales), at about the same speed. Precision "int4" makes
+every Linear but the LM head 4-bit MatMulNBits (asymmetric blocks with integer zero points: float
+zero points, which could hold a Q4_K group exactly, send ORT to a ~50x slower kernel); the LM head
+stays int8 by default, its logits being what the draft is judged by (4 bits: an export option).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from onnx import TensorProto, helper
 
 from specsplit.edge.export.families import ModelSpec
 from specsplit.edge.export.onnx_builder import ExternalData, GraphBuilder, f32
+from specsplit.edge.export.onnx_quant import DEFAULT_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,13 @@ def _embedding(g: GraphBuilder, spec: ModelSpec, embed: np.ndarray) -> str:
 
 
 def _lm_head(
-    g: GraphBuilder, spec: ModelSpec, weights: Weights, embed: np.ndarray, x: str, rows
+    g: GraphBuilder,
+    spec: ModelSpec,
+    weights: Weights,
+    embed: np.ndarray,
+    x: str,
+    rows,
+    bits: int,
 ) -> None:
     # Tied weights are written twice on purpose: sharing one initializer between the Gather and
     # the MatMul made ORT keep both it and the MatMul's prepacked copy (+544 MB RSS at 0.5B).
@@ -250,7 +257,7 @@ def _lm_head(
     if rows is not None:  # a draft may propose from part of the vocabulary (export.head_rows)
         head = head[rows]
     cap = spec.final_softcap
-    logits = g.linear(x, head, "lm_head", out=None if cap else "logits", bits=8)  # judged: 8 bits
+    logits = g.linear(x, head, "lm_head", out=None if cap else "logits", bits=bits)
     if cap:  # Gemma 2: cap * tanh(logits / cap)
         c = g.const("final_softcap", f32(cap))
         g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, c])]), c], out="logits")
@@ -292,6 +299,8 @@ def build_model(
     precision: str = "fp32",
     on_layer: Callable[[int, int], None] | None = None,
     head_rows: np.ndarray | None = None,
+    block: int = DEFAULT_BLOCK,
+    head_bits: int = 8,
 ) -> None:
     """Writes ``out_path`` (graph) and ``out_path.data`` (external weights).
 
@@ -303,12 +312,15 @@ def build_model(
     cache stay float32, so the graph's inputs and outputs are those of the others.
     ``on_layer(done, total)`` is called after each decoder layer (export progress).
     ``head_rows``: the token ids whose logits the graph computes, in its ``logits`` order
-    (None: the whole vocabulary).
+    (None: the whole vocabulary). ``block``: inputs per weight scale of every MatMulNBits;
+    ``head_bits``: the LM head's (8 or 4) where the precision quantises.
     """
     assert precision in ("fp32", "int8", "int4", "fp16", "int4-fp16"), precision
+    if head_bits not in (4, 8):
+        raise ValueError(f"head_bits must be 4 or 8, not {head_bits}")
     data = ExternalData(out_path.with_name(out_path.name + ".data"))
     try:
-        g = GraphBuilder(data, precision)
+        g = GraphBuilder(data, precision, block)
         ctx = _shared_inputs(g, spec)
         embed = weights("model.embed_tokens.weight")  # [vocab, hidden]
         x = _embedding(g, spec, embed)  # [1, seq, hidden]
@@ -319,7 +331,9 @@ def build_model(
         x = _norm(g, spec, x, weights, "model.norm")  # [1, seq, hidden]
         # the positions whose logits are asked for: [1, seq - logits_from, hidden]
         x = g.op("Slice", [x, "logits_from", g.ints("int64_max", [2**63 - 1]), g.ints("ax1", [1])])
-        _lm_head(g, spec, weights, embed, x, head_rows)  # [1, seq - logits_from, vocab or rows]
+        _lm_head(
+            g, spec, weights, embed, x, head_rows, head_bits
+        )  # [1, seq - logits_from, vocab or rows]
     finally:
         data.close()
     inputs, outputs = _io(spec, spec.vocab_size if head_rows is None else len(head_rows))

@@ -9,7 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-INT8_BLOCK = 32  # inputs per weight scale (MatMulNBits block_size), 8-bit and 4-bit alike
+# Inputs per weight scale (MatMulNBits block_size), 8-bit and 4-bit alike. 128, not 32: on one
+# AMD EPYC core (Qwen2.5-Coder-0.5B) the int4 step is 28% shorter and the prefill 29% faster, at
+# the same teacher-forced agreement with the target (README.md, "Draft precision").
+DEFAULT_BLOCK = 128
+BLOCK_SIZES = (32, 64, 128)  # the block sizes an export may choose (edge.export.exporter)
+
+
+def block_for(k: int, block: int) -> int:
+    """The block size of a 4-bit Linear with ``k`` inputs: ``block``, or where that does not
+    divide ``k`` the largest of ``BLOCK_SIZES`` below it that does (4-bit blocks are not
+    padded; every supported family's widths are multiples of 128, tiny test models' of 32)."""
+    for size in sorted((b for b in BLOCK_SIZES if b <= block), reverse=True):
+        if k % size == 0:
+            return size
+    raise ValueError(f"4-bit weights need an input width divisible by {min(BLOCK_SIZES)}, not {k}")
 
 
 def quantize_blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

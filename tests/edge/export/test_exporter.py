@@ -36,14 +36,16 @@ def on_4bit_grids(src: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from specsplit.edge.export.onnx_quant import INT8_BLOCK, quantize_blocks_4bit
+    from specsplit.edge.export.exporter import QuantOptions
+    from specsplit.edge.export.onnx_quant import block_for, quantize_blocks_4bit
 
     shutil.copytree(src, dst)
     (path,) = dst.glob("*.safetensors")
     state = load_file(path)
     for name, w in state.items():
         if name.endswith("proj.weight"):
-            packed, scales, zeros = quantize_blocks_4bit(w.float().numpy(), INT8_BLOCK)
+            block = block_for(w.shape[1], QuantOptions().block)  # the export's
+            packed, scales, zeros = quantize_blocks_4bit(w.float().numpy(), block)
             n, blocks = packed.shape[:2]
             q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1)
             z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)[:, :blocks]
@@ -137,7 +139,7 @@ def test_metadata_and_copied_files(tmp_path):
         [7],
         "qwen2",
     )
-    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 3, "hf")
+    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 4, "hf")
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
@@ -202,3 +204,33 @@ def test_a_partial_lm_head_keeps_its_rows_exactly_and_never_proposes_the_others(
     assert all(t in kept for t in drafter_greedy(part, PROMPT, 16))
     with pytest.raises(ValueError, match="head_vocab"):
         export_onnx(qwen_dirs["tied"], tmp_path / "bad", head_vocab=-1)
+
+
+def test_block_size_and_head_bits_are_export_options(qwen_dirs, tmp_path):
+    """Every MatMulNBits takes the export's block size; the LM head its own bits."""
+    from specsplit.edge.export.exporter import QuantOptions
+
+    quant = QuantOptions(block=64, head_bits=4)
+    out = export_onnx(qwen_dirs["tied"], tmp_path / "b64", precision="int4", quant=quant)
+    nodes = [n for n in onnx.load(out / "model.onnx").graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: a.i for a in n.attribute} for n in nodes]
+    assert {a["block_size"] for a in attrs} == {64} and {a["bits"] for a in attrs} == {4}
+    meta = json.loads((out / "specsplit_draft.json").read_text())
+    assert (meta["block_size"], meta["head_bits"]) == (64, 4)
+    logits = OnnxDrafter(out, providers=CPU).forward(PROMPT, True)
+    assert logits.shape == (len(PROMPT), 256) and np.isfinite(logits).all()
+    with pytest.raises(ValueError, match="block size"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "bad", "int8", quant=QuantOptions(block=48))
+    with pytest.raises(ValueError, match="head_bits"):
+        export_onnx(qwen_dirs["tied"], tmp_path / "bad", "int8", quant=QuantOptions(head_bits=2))
+
+
+def test_an_export_of_graph_format_3_still_runs(draft_exports, tmp_path):
+    """Format 4 changed the export's layout (blocks of 128), not its I/O: a format-3 export
+    directory given by path runs as before."""
+    old = tmp_path / "g3"
+    shutil.copytree(draft_exports["tied", "int8"], old)
+    meta = json.loads((old / "specsplit_draft.json").read_text())
+    (old / "specsplit_draft.json").write_text(json.dumps({**meta, "graph_format": 3}))
+    ref = OnnxDrafter(draft_exports["tied", "int8"], providers=CPU).forward(PROMPT)
+    np.testing.assert_array_equal(OnnxDrafter(old, providers=CPU).forward(PROMPT), ref)
