@@ -40,11 +40,9 @@ PRECISIONS = (
 # from input logits_from on (a prefill computes its last position's logits only); 2: the KV cache
 # is one buffer per layer written in place (TensorScatter); 1 returned concat(past, new) each step.
 GRAPH_FORMAT = 4
-# int4: the split is faster with it, though it agrees less with the target. Qwen2.5-Coder-0.5B
-# on one Xeon core: int8 52 ms/token, int4 38; teacher-forced agreement with the int4 target on
-# code 0.927 vs 0.896 (prose 0.714 vs 0.745): the GGUF's tensors are mostly 5-bit, which 4 bits
-# cannot hold. Split tok/s at RTT 0 over 6 chat prompts, code and prose, two runs each: auto
-# 10.2 -> 12.0, cloud-led 12.3 -> 13.2 (cloud-only 9.05). int8 stays one flag away.
+# int4 (blocks of 128): on one AMD EPYC core 19.4 ms/token of CPU vs int8's 22.9, agreement with
+# the served target on code 0.898 vs 0.911, prose 0.732 vs 0.732 (README "Draft precision",
+# bench.draft_agreement). int8 stays one flag away.
 DEFAULT_PRECISION = "int4"
 
 
