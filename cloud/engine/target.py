@@ -3,10 +3,15 @@
 Plain Python + torch, so it is unit-testable without Triton; ``model_repository/target/1/model.py``
 is a thin shell over this. Knows nothing of gRPC or of stop conditions (the gateway owns those).
 
-``TargetModel.run`` takes every request of one Triton ``execute()`` (opens, verification blocks of
-any k, cloud-only steps with k = 0, ends) and serves all verification rows in ONE forward pass
-(``cloud.engine.ragged``); prefills ride along in chunks of ``PREFILL_CHUNK`` tokens, so only a
-prompt longer than that adds passes.
+``TargetModel.step`` takes every request of one Triton ``execute()`` (opens, verification blocks
+of any k, cloud-only steps with k = 0, ends) and serves all verification rows in ONE forward pass
+(``cloud.engine.ragged``). Prompts are prefilled across passes: each pass carries at most
+``PREFILL_CHUNK`` prompt rows, shared evenly among the clients whose prompts wait (``Open.client``),
+and fewer beside verification rows when the cost curve says prompt rows would make the pass more
+than ``PREFILL_SLOWDOWN`` times slower. So one long prompt never holds other sessions' steps for
+its whole prefill, nor takes every shared pass's rows while another client's prompt waits; an
+Open is answered (``step``'s ``finished``) once its whole prompt is in its slot. ``run`` serves a
+batch to completion (tests, tools).
 
 Cache invariant: after every call, a session's KV slot holds exactly ``committed[:-1]``, i.e.
 ``cache_len == committed_len - 1``. A verify request therefore feeds the last committed token
@@ -76,11 +81,13 @@ class _Sequence:
 
 @dataclass(frozen=True)
 class Open:
-    """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``."""
+    """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``; ``client`` (0: the
+    session alone) is whose share of prefill rows per pass the prompt's rows count against."""
 
     sid: int
     prompt: Sequence[int]
     params: SessionParams
+    client: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,30 @@ class PassInfo:
 
 
 PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory for long prompts
+# Beside verification rows, prompt rows may make a pass at most this many times slower (by the
+# cost curve; issue 39's bound on a client's time to first token beside another's long prompt)...
+PREFILL_SLOWDOWN = 2.0
+MIN_PREFILL_ROWS = 16  # ...but never fewer than this per pass: every prompt keeps moving
+
+
+class _Prefilling:
+    """``step``'s outcome for an Open whose prompt is not all in its slot yet: its outcome comes
+    in a later ``finished``."""
+
+    def __repr__(self) -> str:
+        return "PREFILLING"
+
+
+PREFILLING = _Prefilling()
+
+
+@dataclass
+class _Prefill:
+    """An opened session's prompt rows still to run, and whose share they count against."""
+
+    session: _Sequence
+    todo: list[int]
+    client: int
 
 
 def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
@@ -183,6 +214,8 @@ class TargetModel:
         tokenizer = Path(model_dir) / "tokenizer.json"
         self.token_count = token_count(tokenizer) if tokenizer.exists() else self.vocab_size
         self.sessions: dict[int, _Sequence] = {}
+        self.prefills: dict[int, _Prefill] = {}  # opened sessions whose prompt is still running
+        self._finished: list[tuple[int, object]] = []  # Opens answered since the last step
         self.forward_passes = 0
         self.cost = CostModel()
         self.acceptance = Acceptance()
@@ -210,6 +243,8 @@ class TargetModel:
         return self._one(Verify(sid, base_len, tokens, q)).result
 
     def end(self, sid: int) -> bool:
+        if self.prefills.pop(sid, None) is not None:  # its Open is answered: the session is gone
+            self._finished.append((sid, SessionNotFound(f"session {sid} ended during its prefill")))
         session = self.sessions.pop(sid, None)
         if session is not None:
             self.forward.slots.free(sid)
@@ -224,80 +259,138 @@ class TargetModel:
     # -- the batch ------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[Request]) -> tuple[list, PassInfo]:
-        """Serves one batch; returns an outcome per request (Verified for Verify, None for
-        Open/Close, or the exception that request failed with) and the first pass's info.
-        A session appearing twice is served in order, in a second group."""
+        """Serves one batch to completion, every prompt prefilled; returns an outcome per
+        request (Verified for Verify, None for Open/Close, or the exception that request
+        failed with) and the first pass's info."""
+        outcomes, info, _ = self._serve(requests, drain=True)
+        finished = self.take_finished()
+        for sid, outcome in finished:  # in order: a sid opened twice is answered in turn
+            i = next(
+                i for i, o in enumerate(outcomes) if o is PREFILLING and requests[i].sid == sid
+            )
+            outcomes[i] = outcome
+        return outcomes, info
+
+    def step(self, requests: Sequence[Request]) -> tuple[list, PassInfo, list[tuple[int, object]]]:
+        """Serves one batch with one forward pass (one per group of a sid that appears twice),
+        which also carries a share of the prompts still waiting. Returns an outcome per request
+        (PREFILLING for an Open), the first pass's info, and (sid, outcome) in order for every
+        Open, of this batch or an earlier one, whose prefill ended (None) or failed."""
+        outcomes, info, _ = self._serve(requests, drain=False)
+        return outcomes, info, self.take_finished()
+
+    def take_finished(self) -> list[tuple[int, object]]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _serve(self, requests: Sequence[Request], drain: bool) -> tuple[list, PassInfo, None]:
+        """A session appearing twice is served in order, in a second group."""
         outcomes: list = []
         info: PassInfo | None = None
         group: list[Request] = []
         for request in [*requests, None]:
             if request is None or any(r.sid == request.sid for r in group):
-                out, group_info = self._run_group(group)
+                out, group_info = self._run_group(group, drain)
                 outcomes += out
                 info = info or group_info
                 group = []
             if request is not None:
                 group.append(request)
-        return outcomes, info or self.last_pass
+        return outcomes, info or self.last_pass, None
 
-    def _run_group(self, requests: Sequence[Request]) -> tuple[list, PassInfo | None]:
+    def _run_group(self, requests: Sequence[Request], drain: bool) -> tuple[list, PassInfo | None]:
         outcomes: list = [None] * len(requests)
         verifies: list[tuple[int, Verify, _Sequence]] = []
-        prefills: list[tuple[int, _Sequence, list[int]]] = []
         for i, req in enumerate(requests):
             try:
                 if isinstance(req, Close):
                     self.end(req.sid)
                 elif isinstance(req, Open):
-                    prefills.append((i, *self._open(req)))
+                    self._open(req)
+                    outcomes[i] = PREFILLING
                 else:
                     verifies.append((i, req, self._checked(req)))
             except Exception as e:
                 outcomes[i] = e
-        info = None
-        first = True
-        while first or any(todo for _, _, todo in prefills):
-            segments, owners = self._plan(verifies if first else [], prefills)
-            if not segments:
-                break
-            t0 = time.perf_counter()
-            try:
-                logits = self.forward(segments)
-            except Exception as e:
-                log.warning("forward pass failed: %s", e)
-                for i in owners:
-                    outcomes[i] = e
-                    if isinstance(requests[i], Open):
-                        self.end(requests[i].sid)
-                prefills = [p for p in prefills if p[0] not in owners]
-                verifies = [] if first else verifies
-                first = False
-                continue
-            ms = (time.perf_counter() - t0) * 1e3
-            self.forward_passes += 1
-            if first:
-                info = self._after_pass(segments, verifies, prefills, ms)
-                for (i, req, session), lg in zip(verifies, logits, strict=False):
-                    outcomes[i] = self._finish(req, session, lg, ms)
-            first = False
+        info = self._pass(verifies, outcomes)
+        while drain and self.prefills:
+            self._pass([], outcomes)
         return outcomes, info
 
-    def _plan(self, verifies, prefills) -> tuple[list[Segment], set[int]]:
-        segments, owners = [], set()
-        for i, req, session in verifies:
-            segments.append(Segment(session.slot, req.tokens, want_logits=True))
-            owners.add(i)
-        budget = PREFILL_CHUNK
-        for i, session, todo in prefills:
-            if todo and budget > 0:
-                chunk = todo[:budget]
-                del todo[: len(chunk)]
-                budget -= len(chunk)
-                segments.append(Segment(session.slot, chunk, want_logits=False))
-                owners.add(i)
-        return segments, owners
+    def _pass(self, verifies, outcomes: list) -> PassInfo | None:
+        """One forward pass: ``verifies`` and the prompt rows ``_plan_prefill`` grants."""
+        segments = [Segment(s.slot, req.tokens, want_logits=True) for _, req, s in verifies]
+        verify_rows = sum(len(req.tokens) for _, req, _ in verifies)
+        chunks = self._plan_prefill(self._prefill_budget(verify_rows))
+        segments += [Segment(p.session.slot, p.todo[:n], want_logits=False) for _, p, n in chunks]
+        if not segments:
+            return None
+        t0 = time.perf_counter()
+        try:
+            logits = self.forward(segments)
+        except Exception as e:
+            log.warning("forward pass failed: %s", e)
+            for i, _, _ in verifies:
+                outcomes[i] = e
+            for sid, _, _ in chunks:
+                self._fail_prefill(sid, e)
+            return None
+        ms = (time.perf_counter() - t0) * 1e3
+        self.forward_passes += 1
+        now = time.monotonic()
+        for sid, p, n in chunks:
+            del p.todo[:n]
+            p.session.last_used = now
+            if not p.todo:
+                del self.prefills[sid]
+                self._finished.append((sid, None))
+        if verifies:
+            info = self._after_pass(segments, verifies, ms)
+        else:  # prompt rows only: the hint stands, as the next step's pass will not have them
+            rows = sum(len(s.tokens) for s in segments)
+            info = PassInfo(rows, len(segments), ms, self.last_pass.block_hint)
+        for (i, req, session), lg in zip(verifies, logits, strict=False):
+            outcomes[i] = self._finish(req, session, lg, ms)
+        return info
 
-    def _after_pass(self, segments, verifies, prefills, ms: float) -> PassInfo:
+    def _prefill_budget(self, verify_rows: int) -> int:
+        """Prompt rows this pass may carry: PREFILL_CHUNK, or beside ``verify_rows`` the most
+        (halving, down to MIN_PREFILL_ROWS) the cost curve says keep the pass within
+        PREFILL_SLOWDOWN of the verification rows' own."""
+        if not verify_rows or not self.cost.ms:
+            return PREFILL_CHUNK
+        limit = PREFILL_SLOWDOWN * self.cost.cost(verify_rows)
+        rows = PREFILL_CHUNK
+        while rows > MIN_PREFILL_ROWS and self.cost.cost(verify_rows + rows) > limit:
+            rows //= 2
+        return max(rows, MIN_PREFILL_ROWS)
+
+    def _plan_prefill(self, budget: int) -> list[tuple[int, _Prefill, int]]:
+        """(sid, prefill, rows) for this pass: ``budget`` rows split evenly among the clients
+        with prompts waiting (one that needs less than its part leaves the rest to the others),
+        each client's rows to its prompts in arrival order."""
+        by_client: dict[int, list[tuple[int, _Prefill]]] = {}
+        for sid, p in self.prefills.items():
+            by_client.setdefault(p.client or -1 - sid, []).append((sid, p))
+        want = {c: sum(len(p.todo) for _, p in ps) for c, ps in by_client.items()}
+        chunks, left = [], budget
+        order = sorted(by_client, key=want.__getitem__)  # the smallest wants first: water-filling
+        for n, client in enumerate(order):
+            rows = min(want[client], -(-left // (len(order) - n)))
+            left -= rows
+            for sid, p in by_client[client]:
+                take = min(rows, len(p.todo))
+                if take:
+                    chunks.append((sid, p, take))
+                rows -= take
+        return chunks
+
+    def _fail_prefill(self, sid: int, error: Exception) -> None:
+        del self.prefills[sid]
+        self._finished.append((sid, error))
+        self.end(sid)
+
+    def _after_pass(self, segments, verifies, ms: float) -> PassInfo:
         rows = sum(len(s.tokens) for s in segments)
         if verifies:
             self.cost.observe(rows, ms)
@@ -337,17 +430,23 @@ class TargetModel:
             self.end(req.sid)
         return Verified(result, pass_ms + (time.perf_counter() - t0) * 1e3)
 
-    def _open(self, req: Open) -> tuple[_Sequence, list[int]]:
+    def _open(self, req: Open) -> None:
         if not req.prompt:
             raise ValueError("prompt must hold at least one token")
         self._check_ids(req.prompt)
         self.end(req.sid)
         session = _Sequence(params=req.params, slot=self.forward.slots.open(req.sid))
         self.sessions[req.sid] = session
-        return session, list(req.prompt[:-1])
+        todo = list(req.prompt[:-1])
+        if todo:
+            self.prefills[req.sid] = _Prefill(session, todo, req.client)
+        else:
+            self._finished.append((req.sid, None))
 
     def _checked(self, req: Verify) -> _Sequence:
         session = self._get(req.sid)
+        if req.sid in self.prefills:
+            raise ValueError(f"session {req.sid} is still prefilling its prompt")
         if req.base_len != session.cache_len + 1:
             raise ValueError(f"base_len {req.base_len} != committed_len {session.cache_len + 1}")
         if not req.tokens:

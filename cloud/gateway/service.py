@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -119,7 +120,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     async def Generate(self, requests, context) -> AsyncIterator[pb.ServerMessage]:
         """admit -> open -> Started -> the mode's rounds -> Finished."""
         try:
-            ticket = await _admitted(lambda: self.admission.enter(self._client(context)))
+            client = self._client(context)
+            ticket = await _admitted(lambda: self.admission.enter(client))
         except Refused as e:
             await before_refusing(requests)
             await context.abort(
@@ -129,7 +131,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         ticket.end_stream = lambda code, details: self._end(ticket, handler, context, code, details)
         # the reclaim policy's: only ever while idle (cloud.gateway.admission)
         ticket.end = lambda: ticket.end_stream(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
-        lease = Lease(self.replicas, self.sequence_factory)
+        lease = Lease(self.replicas, _for_client(self.sequence_factory, client))
         messages, session = _Marked(requests.__aiter__(), ticket), None
         try:
             first = await next_message(messages, self.limits.start_timeout_s, "Start")
@@ -263,6 +265,21 @@ class _Marked:
         msg = await anext(self.messages)
         self.ticket.touch()
         return msg
+
+
+def _for_client(factory: Callable[[object], TritonSequence], client: str | None):
+    """``factory`` whose sequences tell the target their client (a quota's key, hashed): the
+    target shares its prefill rows per pass among clients (``cloud.engine.target``)."""
+    if client is None:
+        return factory
+    share = int.from_bytes(hashlib.blake2b(client.encode(), digest_size=8).digest()) >> 1 or 1
+
+    def make(triton_client) -> TritonSequence:
+        sequence = factory(triton_client)
+        sequence.client_share = share
+        return sequence
+
+    return make
 
 
 async def _admitted(attempt: Callable[[], T]) -> T:

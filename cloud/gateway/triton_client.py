@@ -102,6 +102,9 @@ class TritonSequence:
         self._responses = None
         self._open = False
         self.speculative = True
+        # Whose share of the target's prefill rows per pass this prompt counts against (a hash
+        # of the gateway's client; 0: none, the session alone). Set before start.
+        self.client_share = 0
         self.kv_bytes_per_token: int | None = None  # the target's, from its START reply
 
     async def _requests(self):
@@ -150,6 +153,8 @@ class TritonSequence:
             _tensor("MODE", np.array([[int(mode)]], np.int32), "INT32"),
             _tensor("SPECULATIVE", np.array([[int(speculative)]], np.int32), "INT32"),
         ]
+        if self.client_share:
+            inputs.append(_tensor("CLIENT", np.array([[self.client_share]], np.int64), "INT64"))
         self.speculative = speculative
         result = await self._call(inputs, start=True)
         self._open = True

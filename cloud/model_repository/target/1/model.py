@@ -120,7 +120,7 @@ def _parse(request) -> Request:
             seed=int(_scalar(request, "SEED", 0)),
             speculative=bool(_scalar(request, "SPECULATIVE", 1)),
         )
-        return Open(sid, tokens, params)
+        return Open(sid, tokens, params, client=int(_scalar(request, "CLIENT", 0)))
     end = bool(_scalar(request, "END", 0))
     if end and not tokens:
         return Close(sid)
