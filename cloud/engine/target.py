@@ -13,6 +13,15 @@ its whole prefill, nor takes every shared pass's rows while another client's pro
 Open is answered (``step``'s ``finished``) once its whole prompt is in its slot. ``run`` serves a
 batch to completion (tests, tools).
 
+Memory: the target holds at most ``kv_capacity`` bytes of KV slots (by default what its device
+has free once the weights are loaded: ``cloud.kv_growth.device_kv_capacity``), and reports it with
+every Open (``model.py``: KV_CAPACITY, KV_HELD), so gateways admit against what it can keep. An
+Open or a step whose slot would grow past it is refused with KVCapacityExceeded (retryable: the
+gateway answers RESOURCE_EXHAUSTED with a retry hint), the pass served without it; so is the
+session behind an out-of-memory error in a pass, which is then run again without it. A session
+whose Open set a lease (``Open.lease_s``: its gateway's longest silence) is evicted once idle for
+longer, so a gateway that died does not leave its sessions' KV held for the full idle limit.
+
 Cache invariant: after every call, a session's KV slot holds exactly ``committed[:-1]``, i.e.
 ``cache_len == committed_len - 1``. A verify request therefore feeds the last committed token
 followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
@@ -34,7 +43,7 @@ from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
 from specsplit.cloud.engine.kv_slots import Slot
 from specsplit.cloud.engine.precision import check_weights, pick_device
 from specsplit.cloud.engine.ragged import RaggedForward, Segment
-from specsplit.cloud.kv_growth import MAX_BLOCK
+from specsplit.cloud.kv_growth import MAX_BLOCK, default_budget_bytes
 from specsplit.shared.acceptance import (
     RoundResult,
     VerificationMode,
@@ -52,6 +61,11 @@ log = logging.getLogger(__name__)
 
 class SessionNotFound(KeyError):
     """The session is unknown here (never started, ended, evicted, or the server restarted)."""
+
+
+class KVCapacityExceeded(MemoryError):
+    """The target cannot hold this session's KV now (its capacity, or its device's memory in a
+    pass): the session is left as it was (an Open: not opened), the others are served."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class _Sequence:
     params: SessionParams
     slot: Slot
     last_used: float = field(default_factory=time.monotonic)
+    lease_s: float = 0.0  # evicted once idle this long (0: the engine's idle limit alone)
 
     @property
     def cache_len(self) -> int:
@@ -82,12 +97,14 @@ class _Sequence:
 @dataclass(frozen=True)
 class Open:
     """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``; ``client`` (0: the
-    session alone) is whose share of prefill rows per pass the prompt's rows count against."""
+    session alone) is whose share of prefill rows per pass the prompt's rows count against;
+    ``lease_s`` (0: none) how long the session may stay idle before it is evicted."""
 
     sid: int
     prompt: Sequence[int]
     params: SessionParams
     client: int = 0
+    lease_s: float = 0.0  # evict after this long idle (0: the engine's idle limit)
 
 
 @dataclass(frozen=True)
@@ -147,6 +164,21 @@ class _Prefill:
     client: int
 
 
+def _out_of_memory(e: Exception) -> bool:
+    """An allocation the device could not serve (torch's OutOfMemoryError is a RuntimeError)."""
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+
+
+def device_kv_capacity(device: torch.device) -> int:
+    """Bytes of KV slots a target may hold by default: nine tenths of what its GPU has free
+    once the weights are loaded, or ``cloud.kv_growth.default_budget_bytes`` on CPU (half the
+    host's available memory)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return default_budget_bytes()
+
+
 def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
     """(forward, format, float dtype) for the model at ``model_dir``
     (``cloud.engine.precision``)."""
@@ -199,6 +231,7 @@ class TargetModel:
         packed_linear: bool = True,
         calibrate: bool = True,
         weights: str = "auto",
+        kv_capacity: int | None = None,  # bytes of KV slots it may hold; None: its device's
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -225,6 +258,10 @@ class TargetModel:
             log.info(
                 "forward cost by rows (ms): %s", {r: round(m, 1) for r, m in self.cost.ms.items()}
             )
+        if kv_capacity is not None and kv_capacity < 1:
+            raise ValueError("the KV capacity must be > 0 bytes")
+        self.kv_capacity = kv_capacity or device_kv_capacity(self.device)
+        log.info("KV capacity %.0f MiB", self.kv_capacity / 2**20)
         log.info(
             "target %s on %s (%s weights, %s), vocab %d",
             model_dir,
@@ -318,23 +355,30 @@ class TargetModel:
         return outcomes, info
 
     def _pass(self, verifies, outcomes: list) -> PassInfo | None:
-        """One forward pass: ``verifies`` and the prompt rows ``_plan_prefill`` grants."""
-        segments = [Segment(s.slot, req.tokens, want_logits=True) for _, req, s in verifies]
+        """One forward pass: ``verifies`` and the prompt rows ``_plan_prefill`` grants. A step
+        whose slot would grow past the KV capacity is refused; after an out-of-memory error the
+        pass runs again without the session that caused it (``_without_culprit``)."""
+        verifies = self._within_capacity(verifies, outcomes)
         verify_rows = sum(len(req.tokens) for _, req, _ in verifies)
         chunks = self._plan_prefill(self._prefill_budget(verify_rows))
-        segments += [Segment(p.session.slot, p.todo[:n], want_logits=False) for _, p, n in chunks]
-        if not segments:
-            return None
-        t0 = time.perf_counter()
-        try:
-            logits = self.forward(segments)
-        except Exception as e:
-            log.warning("forward pass failed: %s", e)
-            for i, _, _ in verifies:
-                outcomes[i] = e
-            for sid, _, _ in chunks:
-                self._fail_prefill(sid, e)
-            return None
+        while True:
+            segments = [Segment(s.slot, req.tokens, want_logits=True) for _, req, s in verifies]
+            segments += [Segment(p.session.slot, p.todo[:n], False) for _, p, n in chunks]
+            if not segments:
+                return None
+            t0 = time.perf_counter()
+            try:
+                logits = self.forward(segments)  # on an exception no slot's length changes
+                break
+            except Exception as e:
+                if not _out_of_memory(e):
+                    log.warning("forward pass failed: %s", e)
+                    for i, _, _ in verifies:
+                        outcomes[i] = e
+                    for sid, _, _ in chunks:
+                        self._fail_prefill(sid, e)
+                    return None
+                verifies, chunks = self._without_culprit(verifies, chunks, outcomes, e)
         ms = (time.perf_counter() - t0) * 1e3
         self.forward_passes += 1
         now = time.monotonic()
@@ -352,6 +396,40 @@ class TargetModel:
         for (i, req, session), lg in zip(verifies, logits, strict=False):
             outcomes[i] = self._finish(req, session, lg, ms)
         return info
+
+    def _within_capacity(self, verifies, outcomes: list) -> list:
+        """``verifies`` less those whose slot would grow past the KV capacity (refused, the
+        session as it was); prompts reserved their whole slot at their Open."""
+        kept, held, slots = [], self.kv_bytes, self.forward.slots
+        for i, req, session in verifies:
+            grow = slots.growth_bytes(session.slot, session.cache_len + len(req.tokens))
+            if held + grow > self.kv_capacity:
+                outcomes[i] = self._full(req.sid, grow, "its next step")
+                continue
+            held += grow
+            kept.append((i, req, session))
+        return kept
+
+    def _without_culprit(self, verifies, chunks, outcomes: list, e: Exception):
+        """After an out-of-memory pass: the segment with the most rows (the largest
+        activations; a slot that had to grow first, as its allocation is what failed) is
+        refused with KVCapacityExceeded, the rest go again."""
+        log.warning("out of memory in a pass of %d segments: %s", len(verifies) + len(chunks), e)
+        slots = self.forward.slots
+        sized = [
+            (slots.growth_bytes(s.slot, s.cache_len + len(r.tokens)), len(r.tokens), i, r.sid)
+            for i, r, s in verifies
+        ] + [(0, n, None, sid) for sid, _, n in chunks]
+        _, rows, index, sid = max(sized, key=lambda x: x[:2])
+        full = KVCapacityExceeded(
+            f"session {sid}: out of memory in a pass with {rows} of its rows; retry when "
+            "sessions end"
+        )
+        if index is None:
+            self._fail_prefill(sid, full)
+            return verifies, [c for c in chunks if c[0] != sid]
+        outcomes[index] = full
+        return [v for v in verifies if v[0] != index], chunks
 
     def _prefill_budget(self, verify_rows: int) -> int:
         """Prompt rows this pass may carry: PREFILL_CHUNK, or beside ``verify_rows`` the most
@@ -435,13 +513,33 @@ class TargetModel:
             raise ValueError("prompt must hold at least one token")
         self._check_ids(req.prompt)
         self.end(req.sid)
-        session = _Sequence(params=req.params, slot=self.forward.slots.open(req.sid))
+        slots = self.forward.slots
+        need = slots.growth_bytes(None, len(req.prompt) - 1)  # the prompt's whole slot, now
+        if self.kv_bytes + need > self.kv_capacity:
+            raise self._full(req.sid, need, "its prompt")
+        try:
+            slot = slots.open(req.sid)
+            slots.reserve(slot, len(req.prompt) - 1)
+        except Exception as e:
+            slots.free(req.sid)
+            if _out_of_memory(e):
+                raise self._full(req.sid, need, "its prompt") from e
+            raise
+        session = _Sequence(params=req.params, slot=slot, lease_s=max(req.lease_s, 0.0))
         self.sessions[req.sid] = session
         todo = list(req.prompt[:-1])
         if todo:
             self.prefills[req.sid] = _Prefill(session, todo, req.client)
         else:
             self._finished.append((req.sid, None))
+
+    def _full(self, sid: int, need: int, what: str) -> KVCapacityExceeded:
+        mib = 2**20
+        return KVCapacityExceeded(
+            f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, "
+            f"{max(self.kv_capacity - self.kv_bytes, 0) / mib:.1f} of "
+            f"{self.kv_capacity / mib:.1f} MiB free here; retry when sessions end"
+        )
 
     def _checked(self, req: Verify) -> _Sequence:
         session = self._get(req.sid)
@@ -485,8 +583,13 @@ class TargetModel:
             self.forward.slots.free(scratch)
 
     def evict_idle(self, max_idle_s: float) -> list[int]:
+        """Ends sessions idle for longer than ``max_idle_s``, or than their lease."""
         now = time.monotonic()
-        stale = [sid for sid, s in self.sessions.items() if now - s.last_used > max_idle_s]
+        stale = [
+            sid
+            for sid, s in self.sessions.items()
+            if now - s.last_used > (min(max_idle_s, s.lease_s) if s.lease_s else max_idle_s)
+        ]
         for sid in stale:
             self.end(sid)
         return stale
