@@ -14,7 +14,7 @@ Open is answered (``step``'s ``finished``) once its whole prompt is in its slot.
 batch to completion (tests, tools).
 
 Memory: the target holds at most ``kv_capacity`` bytes of KV slots (by default what its device
-has free once the weights are loaded: ``cloud.kv_growth.device_kv_capacity``), and reports it with
+has free once the weights are loaded: ``device_kv_capacity``), and reports it with
 every Open (``model.py``: KV_CAPACITY, KV_HELD), so gateways admit against what it can keep. An
 Open or a step whose slot would grow past it is refused with KVCapacityExceeded (retryable: the
 gateway answers RESOURCE_EXHAUSTED with a retry hint), the pass served without it; so is the
@@ -22,9 +22,9 @@ session behind an out-of-memory error in a pass, which is then run again without
 whose Open set a lease (``Open.lease_s``: its gateway's longest silence) is evicted once idle for
 longer, so a gateway that died does not leave its sessions' KV held for the full idle limit.
 
-Cache invariant: after every call, a session's KV slot holds exactly ``committed[:-1]``, i.e.
-``cache_len == committed_len - 1``. A verify request therefore feeds the last committed token
-followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
+Cache invariant: once its Open is answered, after every call, a session's KV slot holds exactly
+``committed[:-1]``, i.e. ``cache_len == committed_len - 1``. A verify request therefore feeds the
+last committed token followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
 """
 
 from __future__ import annotations
