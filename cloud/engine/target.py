@@ -360,7 +360,7 @@ class TargetModel:
         pass runs again without the session that caused it (``_without_culprit``)."""
         verifies = self._within_capacity(verifies, outcomes)
         verify_rows = sum(len(req.tokens) for _, req, _ in verifies)
-        chunks = self._plan_prefill(self._prefill_budget(verify_rows))
+        chunks = self._plan_prefill(verify_rows)
         while True:
             segments = [Segment(s.slot, req.tokens, want_logits=True) for _, req, s in verifies]
             segments += [Segment(p.session.slot, p.todo[:n], False) for _, p, n in chunks]
@@ -443,24 +443,38 @@ class TargetModel:
             rows //= 2
         return max(rows, MIN_PREFILL_ROWS)
 
-    def _plan_prefill(self, budget: int) -> list[tuple[int, _Prefill, int]]:
-        """(sid, prefill, rows) for this pass: ``budget`` rows split evenly among the clients
-        with prompts waiting (one that needs less than its part leaves the rest to the others),
-        each client's rows to its prompts in arrival order."""
+    def _plan_prefill(self, verify_rows: int) -> list[tuple[int, _Prefill, int]]:
+        """(sid, prefill, rows) for this pass: the budget beside ``verify_rows``
+        (``_prefill_budget``) split evenly among the clients with prompts waiting, each
+        client's rows to its prompts in arrival order. A client that needs less than its part
+        gets all it needs, and its rows then count as work the others' prompt rows must not slow
+        down (PREFILL_SLOWDOWN): a short prompt beside a long one is served in one pass that
+        costs about what it would alone."""
         by_client: dict[int, list[tuple[int, _Prefill]]] = {}
         for sid, p in self.prefills.items():
             by_client.setdefault(p.client or -1 - sid, []).append((sid, p))
         want = {c: sum(len(p.todo) for _, p in ps) for c, ps in by_client.items()}
-        chunks, left = [], budget
         order = sorted(by_client, key=want.__getitem__)  # the smallest wants first: water-filling
+        rows, left = {}, self._prefill_budget(verify_rows)
         for n, client in enumerate(order):
-            rows = min(want[client], -(-left // (len(order) - n)))
-            left -= rows
+            rows[client] = min(want[client], -(-left // (len(order) - n)))
+            left -= rows[client]
+        served = [c for c in order if rows[c] == want[c]]
+        if len(served) < len(order) and served:  # the long prompts yield to the short ones
+            protected = sum(rows[c] for c in served)
+            cap = self._prefill_budget(verify_rows + protected)
+            partial = [c for c in order if c not in served]
+            for n, client in enumerate(partial):
+                rows[client] = min(rows[client], -(-cap // (len(partial) - n)))
+                cap -= rows[client]
+        chunks = []
+        for client in order:
+            give = rows[client]
             for sid, p in by_client[client]:
-                take = min(rows, len(p.todo))
+                take = min(give, len(p.todo))
                 if take:
                     chunks.append((sid, p, take))
-                rows -= take
+                give -= take
         return chunks
 
     def _fail_prefill(self, sid: int, error: Exception) -> None:

@@ -90,6 +90,16 @@ def test_prompt_rows_beside_steps_keep_the_pass_within_the_slowdown(target):
     assert target.sessions[1].slot.length == target_mod.MIN_PREFILL_ROWS
 
 
+def test_a_long_prompt_yields_to_a_short_one_where_rows_cost_time(target):
+    target.cost = CostModel()
+    for rows, ms in {1: 10, 4: 12, 16: 20, 64: 80}.items():
+        target.cost.observe(rows, ms)
+    target.step([Open(1, _prompt(301), GREEDY, client=1), Open(2, [1, 2, 3, 4, 5], GREEDY)])
+    assert target.sessions[2].slot.length == 4  # all of it, in one pass
+    # The long prompt's rows keep that pass within 2x of the short one's 4 rows: 16, not 60.
+    assert target.sessions[1].slot.length == target_mod.MIN_PREFILL_ROWS
+
+
 def test_an_open_ended_during_its_prefill_is_answered_session_not_found(target):
     target.step([Open(1, _prompt(301), GREEDY, client=1)])
     outcomes, _, finished = target.step([Close(1)])
