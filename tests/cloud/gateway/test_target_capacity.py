@@ -14,6 +14,7 @@ from specsplit.cloud.gateway.admission import Admission, KVShape, Refused, slot_
 from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.service import LEASE_MARGIN_S
 from specsplit.cloud.gateway.triton_client import TargetFull, _classify
+from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.protocol import (
     PROTOCOL_VERSION,
     RETRY_AFTER_KEY,
@@ -96,3 +97,28 @@ def test_the_targets_refusal_reaches_the_edge_with_a_retry_hint():
     assert "KV memory is full" in details and "retry in" in details
     assert int(trailers[RETRY_AFTER_KEY]) > 0
     assert leases == [20 + LEASE_MARGIN_S]
+
+
+def test_the_edge_retries_the_targets_refusal_and_loses_no_token():
+    """The target refuses one step for want of KV memory; the edge re-opens from its committed
+    sequence when the hint says, and the generation ends with every token."""
+    refusals = []
+
+    class FullOnce(FakeTriton):
+        async def verify(self, base_len, tokens, q=None):
+            if base_len == 10 and not refusals:
+                refusals.append(base_len)
+                raise TargetFull("KV_CAPACITY_EXCEEDED: session 1: its next step needs 1 MiB")
+            return await super().verify(base_len, tokens, q)
+
+    async def run():
+        async with gateway(FullOnce) as address, SplitClient(address) as client:
+            cfg = GenerationConfig(max_new_tokens=20, retry_window_s=20.0)
+            gen = client.generate([1, 2, 3], cfg, "cloud-only")
+            async for _ in gen:
+                pass
+            return gen
+
+    gen = asyncio.run(run())
+    assert refusals == [10] and gen.stats.retries >= 1
+    assert gen.token_ids == [7] * 20
