@@ -597,12 +597,14 @@ class TargetModel:
             self.forward.slots.free(scratch)
 
     def evict_idle(self, max_idle_s: float) -> list[int]:
-        """Ends sessions idle for longer than ``max_idle_s``, or than their lease."""
+        """Ends sessions idle for longer than ``max_idle_s``, or than their lease. A prompt
+        still waiting for its rows is work in flight (its Open is not answered), never idle."""
         now = time.monotonic()
         stale = [
             sid
             for sid, s in self.sessions.items()
             if now - s.last_used > (min(max_idle_s, s.lease_s) if s.lease_s else max_idle_s)
+            and sid not in self.prefills
         ]
         for sid in stale:
             self.end(sid)

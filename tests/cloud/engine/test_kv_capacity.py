@@ -129,3 +129,11 @@ def test_a_session_idle_past_its_lease_is_evicted(target_dir):
         session.last_used -= 120  # both idle for 2 minutes
     assert target.evict_idle(600) == [1]  # the leased one; the other keeps the idle limit
     assert list(target.sessions) == [2]
+
+
+def test_a_prompt_waiting_for_its_rows_is_not_idle(target_dir):
+    target = _target(target_dir)
+    prompt = [i % 200 for i in range(600)]  # 599 rows: three passes
+    target.step([Open(1, prompt, GREEDY, lease_s=1)])
+    target.sessions[1].last_used -= 120
+    assert target.evict_idle(600) == [] and 1 in target.prefills
