@@ -164,6 +164,18 @@ class _Prefill:
     client: int
 
 
+def _water_fill(wants: list[int], budget: int) -> list[int]:
+    """``budget`` split evenly among ``wants``: each gets min(its want, an even part of what
+    the smaller wants left), so one that needs less than its part leaves the rest to others."""
+    out = [0] * len(wants)
+    left = budget
+    order = sorted(range(len(wants)), key=wants.__getitem__)
+    for n, i in enumerate(order):
+        out[i] = min(wants[i], -(-left // (len(order) - n)))
+        left -= out[i]
+    return out
+
+
 def _out_of_memory(e: Exception) -> bool:
     """An allocation the device could not serve (torch's OutOfMemoryError is a RuntimeError)."""
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
@@ -445,36 +457,30 @@ class TargetModel:
 
     def _plan_prefill(self, verify_rows: int) -> list[tuple[int, _Prefill, int]]:
         """(sid, prefill, rows) for this pass: the budget beside ``verify_rows``
-        (``_prefill_budget``) split evenly among the clients with prompts waiting, each
-        client's rows to its prompts in arrival order. A client that needs less than its part
-        gets all it needs, and its rows then count as work the others' prompt rows must not slow
-        down (PREFILL_SLOWDOWN): a short prompt beside a long one is served in one pass that
-        costs about what it would alone."""
+        (``_prefill_budget``) split evenly among the clients with prompts waiting, and each
+        client's part evenly among its prompts (``_water_fill``). A client that needs less than
+        its part gets all it needs, and its rows then count as work the others' prompt rows must
+        not slow down (PREFILL_SLOWDOWN): a short prompt beside a long one is served in one pass
+        that costs about what it would alone."""
         by_client: dict[int, list[tuple[int, _Prefill]]] = {}
         for sid, p in self.prefills.items():
             by_client.setdefault(p.client or -1 - sid, []).append((sid, p))
-        want = {c: sum(len(p.todo) for _, p in ps) for c, ps in by_client.items()}
-        order = sorted(by_client, key=want.__getitem__)  # the smallest wants first: water-filling
-        rows, left = {}, self._prefill_budget(verify_rows)
-        for n, client in enumerate(order):
-            rows[client] = min(want[client], -(-left // (len(order) - n)))
-            left -= rows[client]
-        served = [c for c in order if rows[c] == want[c]]
-        if len(served) < len(order) and served:  # the long prompts yield to the short ones
-            protected = sum(rows[c] for c in served)
-            cap = self._prefill_budget(verify_rows + protected)
-            partial = [c for c in order if c not in served]
-            for n, client in enumerate(partial):
-                rows[client] = min(rows[client], -(-cap // (len(partial) - n)))
-                cap -= rows[client]
+        clients = list(by_client)
+        want = [sum(len(p.todo) for _, p in by_client[c]) for c in clients]
+        rows = _water_fill(want, self._prefill_budget(verify_rows))
+        partial = [i for i, (r, w) in enumerate(zip(rows, want, strict=True)) if r < w]
+        if partial and len(partial) < len(clients):  # the long prompts yield to the short ones
+            protected = sum(r for i, r in enumerate(rows) if i not in partial)
+            cap = _water_fill(
+                [rows[i] for i in partial], self._prefill_budget(verify_rows + protected)
+            )
+            for i, r in zip(partial, cap, strict=True):
+                rows[i] = r
         chunks = []
-        for client in order:
-            give = rows[client]
-            for sid, p in by_client[client]:
-                take = min(give, len(p.todo))
-                if take:
-                    chunks.append((sid, p, take))
-                give -= take
+        for client, give in zip(clients, rows, strict=True):
+            prompts = by_client[client]
+            takes = _water_fill([len(p.todo) for _, p in prompts], give)
+            chunks += [(sid, p, n) for (sid, p), n in zip(prompts, takes, strict=True) if n]
         return chunks
 
     def _fail_prefill(self, sid: int, error: Exception) -> None:

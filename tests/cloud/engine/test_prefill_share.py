@@ -63,14 +63,24 @@ def test_prompt_rows_are_shared_evenly_among_clients(target, target_dir):
     other = Open(10, _prompt(301, 10), GREEDY, client=2)
     target.step([*many, other])
     held = {sid: target.sessions[sid].slot.length for sid in (0, 1, 2, 10)}
-    # Client 1's three prompts share its half, in arrival order; client 2 gets the other half.
-    assert held == {0: CHUNK // 2, 1: 0, 2: 0, 10: CHUNK // 2}
+    # Client 1's three prompts share its half evenly; client 2's one gets the other half.
+    assert held == {0: 11, 1: 11, 2: 10, 10: CHUNK // 2}
     finished = []
     while len(finished) < 4:
         finished += target.step([])[2]
     assert finished[0] == (10, None)  # the lone prompt of client 2 is not queued behind client 1's
     [v], _ = target.run([Verify(10, 301, [other.prompt[-1]])])
     assert v.result.token == reference_greedy(target_dir, list(other.prompt), 1)[0]
+
+
+def test_one_clients_short_prompt_is_not_queued_behind_its_long_one(target):
+    """Clients behind one proxy address without tokens are one client: their prompts share
+    its rows evenly too, not in arrival order."""
+    _, _, finished = target.step(
+        [Open(1, _prompt(301), GREEDY, client=1), Open(2, [1, 2, 3, 4, 5], GREEDY, client=1)]
+    )
+    assert finished == [(2, None)]
+    assert target.sessions[1].slot.length == CHUNK - 4
 
 
 def test_a_client_needing_less_leaves_its_rows_to_others(target):
