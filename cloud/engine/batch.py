@@ -11,7 +11,10 @@ the next, at most ``gather`` ms (a small fraction of a pass), so every live sess
 same pass.
 
 model.py returns from execute() at once and answers through each request's response sender, so
-Triton keeps delivering requests while a pass runs. Plain Python, unit-testable with a fake target.
+Triton keeps delivering requests while a pass runs. An Open is answered when its prompt is all
+prefilled (``TargetModel.step``), which may take several passes: the engine keeps running passes
+while prompts wait, and every request queued meanwhile rides in the next. Plain Python,
+unit-testable with a fake target.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specsplit.cloud.engine.target import Open, PassInfo, Request, Verify
+from specsplit.cloud.engine.target import PREFILLING, Open, PassInfo, Request, Verify
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class BatchEngine:
         self._sent_at: dict[int, float] = {}
         self._turnaround_ms: dict[int, float] = {}  # per session: response -> next request
         self._last_pass_ms = 0.0
+        self._prefilling: dict[int, list[_Item]] = {}  # per sid: Opens whose prompt still runs
         self.passes = 0
         self._thread = threading.Thread(target=self._loop, name="specsplit-engine", daemon=True)
         self._thread.start()
@@ -73,7 +77,9 @@ class BatchEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout_s)
-        for item in self._take():
+        waiting = [item for items in self._prefilling.values() for item in items]
+        self._prefilling = {}
+        for item in waiting + self._take():
             item.respond(RuntimeError("the target is shutting down"), None)
 
     @property
@@ -99,7 +105,7 @@ class BatchEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopped:
+                while not self._queue and not self._prefilling and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return
@@ -113,19 +119,56 @@ class BatchEngine:
             self._serve(items)
 
     def _serve(self, items: list[_Item]) -> None:
+        finished: list[tuple[int, object]] = []
         try:
             self.target.evict_idle(self.idle_s)
             t0 = time.monotonic()
-            outcomes, info = self.target.run([item.request for item in items])
+            outcomes, info, finished = self.target.step([item.request for item in items])
             self._last_pass_ms = info.ms if info and info.ms else (time.monotonic() - t0) * 1e3
         except Exception as e:  # never let the engine thread die
             log.exception("batch failed")
             outcomes, info = [e] * len(items), None
+            finished = self._abandon_prefills(e)
         self.passes += 1
+        answered: list[tuple[_Item, object]] = []
+        for item, outcome in zip(items, outcomes, strict=True):
+            if outcome is PREFILLING:
+                self._prefilling.setdefault(item.request.sid, []).append(item)
+            else:
+                answered.append((item, outcome))
+        for sid, outcome in finished:  # after this batch's Opens are held: theirs may be here
+            waiting = self._prefilling.get(sid)
+            if not waiting:
+                log.warning("a prefill of session %d ended with no Open waiting for it", sid)
+                continue
+            answered.append((waiting.pop(0), outcome))
+            if not waiting:
+                del self._prefilling[sid]
+        self._record(answered)
+        for item, outcome in answered:
+            try:
+                item.respond(outcome, info)
+            except Exception:
+                log.exception("sending a response failed")
+
+    def _abandon_prefills(self, error: Exception) -> list[tuple[int, object]]:
+        """After a step that raised: every waiting Open fails, its session ended."""
+        out = []
+        for sid, items in self._prefilling.items():
+            try:
+                self.target.end(sid)
+            except Exception:
+                log.exception("ending session %d failed", sid)
+            out += [(sid, error)] * len(items)
+        self.target.take_finished()  # answered here, with the step's error
+        return out
+
+    def _record(self, answered: list[tuple[_Item, object]]) -> None:
+        """Sessions answered now whose next request is due (the gather window waits for them)."""
         served = set()
         now = time.monotonic()
         with self._cond:
-            for item, outcome in zip(items, outcomes, strict=True):
+            for item, outcome in answered:
                 request = item.request
                 ongoing = isinstance(request, Open | Verify) and not isinstance(outcome, Exception)
                 if ongoing and not (isinstance(request, Verify) and request.end):
@@ -135,8 +178,3 @@ class BatchEngine:
                     self._turnaround_ms.pop(request.sid, None)
                     self._sent_at.pop(request.sid, None)
             self._served = served
-        for item, outcome in zip(items, outcomes, strict=True):
-            try:
-                item.respond(outcome, info)
-            except Exception:
-                log.exception("sending a response failed")

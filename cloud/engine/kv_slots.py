@@ -59,6 +59,14 @@ class KVSlots:
         grown[:, :, :, : slot.length] = slot.kv[:, :, :, : slot.length]
         slot.kv = grown
 
+    def growth_bytes(self, slot: Slot | None, length: int) -> int:
+        """Bytes the store holds more once ``slot`` (None: a fresh one) holds ``length``
+        positions (the old slot's memory is freed after the copy)."""
+        old = slot.capacity if slot is not None else 0
+        if length <= old:
+            return 0
+        return (slot_positions(length) - old) * self.bytes_per_token
+
     def free(self, sid: int) -> bool:
         return self.slots.pop(sid, None) is not None
 

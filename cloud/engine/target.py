@@ -3,14 +3,28 @@
 Plain Python + torch, so it is unit-testable without Triton; ``model_repository/target/1/model.py``
 is a thin shell over this. Knows nothing of gRPC or of stop conditions (the gateway owns those).
 
-``TargetModel.run`` takes every request of one Triton ``execute()`` (opens, verification blocks of
-any k, cloud-only steps with k = 0, ends) and serves all verification rows in ONE forward pass
-(``cloud.engine.ragged``); prefills ride along in chunks of ``PREFILL_CHUNK`` tokens, so only a
-prompt longer than that adds passes.
+``TargetModel.step`` takes every request of one Triton ``execute()`` (opens, verification blocks
+of any k, cloud-only steps with k = 0, ends) and serves all verification rows in ONE forward pass
+(``cloud.engine.ragged``). Prompts are prefilled across passes: each pass carries at most
+``PREFILL_CHUNK`` prompt rows, shared evenly among the clients whose prompts wait (``Open.client``),
+and fewer beside verification rows when the cost curve says prompt rows would make the pass more
+than ``PREFILL_SLOWDOWN`` times slower. So one long prompt never holds other sessions' steps for
+its whole prefill, nor takes every shared pass's rows while another client's prompt waits; an
+Open is answered (``step``'s ``finished``) once its whole prompt is in its slot. ``run`` serves a
+batch to completion (tests, tools).
 
-Cache invariant: after every call, a session's KV slot holds exactly ``committed[:-1]``, i.e.
-``cache_len == committed_len - 1``. A verify request therefore feeds the last committed token
-followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
+Memory: the target holds at most ``kv_capacity`` bytes of KV slots (by default what its device
+has free once the weights are loaded: ``device_kv_capacity``), and reports it with
+every Open (``model.py``: KV_CAPACITY, KV_HELD), so gateways admit against what it can keep. An
+Open or a step whose slot would grow past it is refused with KVCapacityExceeded (retryable: the
+gateway answers RESOURCE_EXHAUSTED with a retry hint), the pass served without it; so is the
+session behind an out-of-memory error in a pass, which is then run again without it. A session
+whose Open set a lease (``Open.lease_s``: its gateway's longest silence) is evicted once idle for
+longer, so a gateway that died does not leave its sessions' KV held for the full idle limit.
+
+Cache invariant: once its Open is answered, after every call, a session's KV slot holds exactly
+``committed[:-1]``, i.e. ``cache_len == committed_len - 1``. A verify request therefore feeds the
+last committed token followed by the k drafts: k + 1 positions whose logits are p_1..p_{k+1}.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
 from specsplit.cloud.engine.kv_slots import Slot
 from specsplit.cloud.engine.precision import check_weights, pick_device
 from specsplit.cloud.engine.ragged import RaggedForward, Segment
-from specsplit.cloud.kv_growth import MAX_BLOCK
+from specsplit.cloud.kv_growth import MAX_BLOCK, default_budget_bytes
 from specsplit.shared.acceptance import (
     RoundResult,
     VerificationMode,
@@ -47,6 +61,11 @@ log = logging.getLogger(__name__)
 
 class SessionNotFound(KeyError):
     """The session is unknown here (never started, ended, evicted, or the server restarted)."""
+
+
+class KVCapacityExceeded(MemoryError):
+    """The target cannot hold this session's KV now (its capacity, or its device's memory in a
+    pass): the session is left as it was (an Open: not opened), the others are served."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,7 @@ class _Sequence:
     params: SessionParams
     slot: Slot
     last_used: float = field(default_factory=time.monotonic)
+    lease_s: float = 0.0  # evicted once idle this long (0: the engine's idle limit alone)
 
     @property
     def cache_len(self) -> int:
@@ -76,11 +96,15 @@ class _Sequence:
 
 @dataclass(frozen=True)
 class Open:
-    """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``."""
+    """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``; ``client`` (0: the
+    session alone) is whose share of prefill rows per pass the prompt's rows count against;
+    ``lease_s`` (0: none) how long the session may stay idle before it is evicted."""
 
     sid: int
     prompt: Sequence[int]
     params: SessionParams
+    client: int = 0
+    lease_s: float = 0.0  # evict after this long idle (0: the engine's idle limit)
 
 
 @dataclass(frozen=True)
@@ -114,6 +138,57 @@ class PassInfo:
 
 
 PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory for long prompts
+# Beside verification rows, prompt rows may make a pass at most this many times slower (by the
+# cost curve; issue 39's bound on a client's time to first token beside another's long prompt)...
+PREFILL_SLOWDOWN = 2.0
+MIN_PREFILL_ROWS = 16  # ...but never fewer than this per pass: every prompt keeps moving
+
+
+class _Prefilling:
+    """``step``'s outcome for an Open whose prompt is not all in its slot yet: its outcome comes
+    in a later ``finished``."""
+
+    def __repr__(self) -> str:
+        return "PREFILLING"
+
+
+PREFILLING = _Prefilling()
+
+
+@dataclass
+class _Prefill:
+    """An opened session's prompt rows still to run, and whose share they count against."""
+
+    session: _Sequence
+    todo: list[int]
+    client: int
+
+
+def _water_fill(wants: list[int], budget: int) -> list[int]:
+    """``budget`` split evenly among ``wants``: each gets min(its want, an even part of what
+    the smaller wants left), so one that needs less than its part leaves the rest to others."""
+    out = [0] * len(wants)
+    left = budget
+    order = sorted(range(len(wants)), key=wants.__getitem__)
+    for n, i in enumerate(order):
+        out[i] = min(wants[i], -(-left // (len(order) - n)))
+        left -= out[i]
+    return out
+
+
+def _out_of_memory(e: Exception) -> bool:
+    """An allocation the device could not serve (torch's OutOfMemoryError is a RuntimeError)."""
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+
+
+def device_kv_capacity(device: torch.device) -> int:
+    """Bytes of KV slots a target may hold by default: nine tenths of what its GPU has free
+    once the weights are loaded, or ``cloud.kv_growth.default_budget_bytes`` on CPU (half the
+    host's available memory)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return default_budget_bytes()
 
 
 def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
@@ -168,6 +243,7 @@ class TargetModel:
         packed_linear: bool = True,
         calibrate: bool = True,
         weights: str = "auto",
+        kv_capacity: int | None = None,  # bytes of KV slots it may hold; None: its device's
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -183,6 +259,8 @@ class TargetModel:
         tokenizer = Path(model_dir) / "tokenizer.json"
         self.token_count = token_count(tokenizer) if tokenizer.exists() else self.vocab_size
         self.sessions: dict[int, _Sequence] = {}
+        self.prefills: dict[int, _Prefill] = {}  # opened sessions whose prompt is still running
+        self._finished: list[tuple[int, object]] = []  # Opens answered since the last step
         self.forward_passes = 0
         self.cost = CostModel()
         self.acceptance = Acceptance()
@@ -192,6 +270,10 @@ class TargetModel:
             log.info(
                 "forward cost by rows (ms): %s", {r: round(m, 1) for r, m in self.cost.ms.items()}
             )
+        if kv_capacity is not None and kv_capacity < 1:
+            raise ValueError("the KV capacity must be > 0 bytes")
+        self.kv_capacity = kv_capacity or device_kv_capacity(self.device)
+        log.info("KV capacity %.0f MiB", self.kv_capacity / 2**20)
         log.info(
             "target %s on %s (%s weights, %s), vocab %d",
             model_dir,
@@ -210,6 +292,8 @@ class TargetModel:
         return self._one(Verify(sid, base_len, tokens, q)).result
 
     def end(self, sid: int) -> bool:
+        if self.prefills.pop(sid, None) is not None:  # its Open is answered: the session is gone
+            self._finished.append((sid, SessionNotFound(f"session {sid} ended during its prefill")))
         session = self.sessions.pop(sid, None)
         if session is not None:
             self.forward.slots.free(sid)
@@ -224,80 +308,187 @@ class TargetModel:
     # -- the batch ------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[Request]) -> tuple[list, PassInfo]:
-        """Serves one batch; returns an outcome per request (Verified for Verify, None for
-        Open/Close, or the exception that request failed with) and the first pass's info.
-        A session appearing twice is served in order, in a second group."""
+        """Serves one batch to completion, every prompt prefilled; returns an outcome per
+        request (Verified for Verify, None for Open/Close, or the exception that request
+        failed with) and the first pass's info."""
+        outcomes, info, _ = self._serve(requests, drain=True)
+        finished = self.take_finished()
+        for sid, outcome in finished:  # in order: a sid opened twice is answered in turn
+            i = next(
+                i for i, o in enumerate(outcomes) if o is PREFILLING and requests[i].sid == sid
+            )
+            outcomes[i] = outcome
+        return outcomes, info
+
+    def step(self, requests: Sequence[Request]) -> tuple[list, PassInfo, list[tuple[int, object]]]:
+        """Serves one batch with one forward pass (one per group of a sid that appears twice),
+        which also carries a share of the prompts still waiting. Returns an outcome per request
+        (PREFILLING for an Open), the first pass's info, and (sid, outcome) in order for every
+        Open, of this batch or an earlier one, whose prefill ended (None) or failed."""
+        outcomes, info, _ = self._serve(requests, drain=False)
+        return outcomes, info, self.take_finished()
+
+    def take_finished(self) -> list[tuple[int, object]]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _serve(self, requests: Sequence[Request], drain: bool) -> tuple[list, PassInfo, None]:
+        """A session appearing twice is served in order, in a second group."""
         outcomes: list = []
         info: PassInfo | None = None
         group: list[Request] = []
         for request in [*requests, None]:
             if request is None or any(r.sid == request.sid for r in group):
-                out, group_info = self._run_group(group)
+                out, group_info = self._run_group(group, drain)
                 outcomes += out
                 info = info or group_info
                 group = []
             if request is not None:
                 group.append(request)
-        return outcomes, info or self.last_pass
+        return outcomes, info or self.last_pass, None
 
-    def _run_group(self, requests: Sequence[Request]) -> tuple[list, PassInfo | None]:
+    def _run_group(self, requests: Sequence[Request], drain: bool) -> tuple[list, PassInfo | None]:
         outcomes: list = [None] * len(requests)
         verifies: list[tuple[int, Verify, _Sequence]] = []
-        prefills: list[tuple[int, _Sequence, list[int]]] = []
         for i, req in enumerate(requests):
             try:
                 if isinstance(req, Close):
                     self.end(req.sid)
                 elif isinstance(req, Open):
-                    prefills.append((i, *self._open(req)))
+                    self._open(req)
+                    outcomes[i] = PREFILLING
                 else:
                     verifies.append((i, req, self._checked(req)))
             except Exception as e:
                 outcomes[i] = e
-        info = None
-        first = True
-        while first or any(todo for _, _, todo in prefills):
-            segments, owners = self._plan(verifies if first else [], prefills)
-            if not segments:
-                break
-            t0 = time.perf_counter()
-            try:
-                logits = self.forward(segments)
-            except Exception as e:
-                log.warning("forward pass failed: %s", e)
-                for i in owners:
-                    outcomes[i] = e
-                    if isinstance(requests[i], Open):
-                        self.end(requests[i].sid)
-                prefills = [p for p in prefills if p[0] not in owners]
-                verifies = [] if first else verifies
-                first = False
-                continue
-            ms = (time.perf_counter() - t0) * 1e3
-            self.forward_passes += 1
-            if first:
-                info = self._after_pass(segments, verifies, prefills, ms)
-                for (i, req, session), lg in zip(verifies, logits, strict=False):
-                    outcomes[i] = self._finish(req, session, lg, ms)
-            first = False
+        info = self._pass(verifies, outcomes)
+        while drain and self.prefills:
+            self._pass([], outcomes)
         return outcomes, info
 
-    def _plan(self, verifies, prefills) -> tuple[list[Segment], set[int]]:
-        segments, owners = [], set()
-        for i, req, session in verifies:
-            segments.append(Segment(session.slot, req.tokens, want_logits=True))
-            owners.add(i)
-        budget = PREFILL_CHUNK
-        for i, session, todo in prefills:
-            if todo and budget > 0:
-                chunk = todo[:budget]
-                del todo[: len(chunk)]
-                budget -= len(chunk)
-                segments.append(Segment(session.slot, chunk, want_logits=False))
-                owners.add(i)
-        return segments, owners
+    def _pass(self, verifies, outcomes: list) -> PassInfo | None:
+        """One forward pass: ``verifies`` and the prompt rows ``_plan_prefill`` grants. A step
+        whose slot would grow past the KV capacity is refused; after an out-of-memory error the
+        pass runs again without the session that caused it (``_without_culprit``)."""
+        verifies = self._within_capacity(verifies, outcomes)
+        verify_rows = sum(len(req.tokens) for _, req, _ in verifies)
+        chunks = self._plan_prefill(verify_rows)
+        while True:
+            segments = [Segment(s.slot, req.tokens, want_logits=True) for _, req, s in verifies]
+            segments += [Segment(p.session.slot, p.todo[:n], False) for _, p, n in chunks]
+            if not segments:
+                return None
+            t0 = time.perf_counter()
+            try:
+                logits = self.forward(segments)  # on an exception no slot's length changes
+                break
+            except Exception as e:
+                if not _out_of_memory(e):
+                    log.warning("forward pass failed: %s", e)
+                    for i, _, _ in verifies:
+                        outcomes[i] = e
+                    for sid, _, _ in chunks:
+                        self._fail_prefill(sid, e)
+                    return None
+                verifies, chunks = self._without_culprit(verifies, chunks, outcomes, e)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.forward_passes += 1
+        now = time.monotonic()
+        for sid, p, n in chunks:
+            del p.todo[:n]
+            p.session.last_used = now
+            if not p.todo:
+                del self.prefills[sid]
+                self._finished.append((sid, None))
+        if verifies:
+            info = self._after_pass(segments, verifies, ms)
+        else:  # prompt rows only: the hint stands, as the next step's pass will not have them
+            rows = sum(len(s.tokens) for s in segments)
+            info = PassInfo(rows, len(segments), ms, self.last_pass.block_hint)
+        for (i, req, session), lg in zip(verifies, logits, strict=False):
+            outcomes[i] = self._finish(req, session, lg, ms)
+        return info
 
-    def _after_pass(self, segments, verifies, prefills, ms: float) -> PassInfo:
+    def _within_capacity(self, verifies, outcomes: list) -> list:
+        """``verifies`` less those whose slot would grow past the KV capacity (refused, the
+        session as it was); prompts reserved their whole slot at their Open."""
+        kept, held, slots = [], self.kv_bytes, self.forward.slots
+        for i, req, session in verifies:
+            grow = slots.growth_bytes(session.slot, session.cache_len + len(req.tokens))
+            if held + grow > self.kv_capacity:
+                outcomes[i] = self._full(req.sid, grow, "its next step")
+                continue
+            held += grow
+            kept.append((i, req, session))
+        return kept
+
+    def _without_culprit(self, verifies, chunks, outcomes: list, e: Exception):
+        """After an out-of-memory pass: the segment with the most rows (the largest
+        activations; a slot that had to grow first, as its allocation is what failed) is
+        refused with KVCapacityExceeded, the rest go again."""
+        log.warning("out of memory in a pass of %d segments: %s", len(verifies) + len(chunks), e)
+        slots = self.forward.slots
+        sized = [
+            (slots.growth_bytes(s.slot, s.cache_len + len(r.tokens)), len(r.tokens), i, r.sid)
+            for i, r, s in verifies
+        ] + [(0, n, None, sid) for sid, _, n in chunks]
+        _, rows, index, sid = max(sized, key=lambda x: x[:2])
+        full = KVCapacityExceeded(
+            f"session {sid}: out of memory in a pass with {rows} of its rows; retry when "
+            "sessions end"
+        )
+        if index is None:
+            self._fail_prefill(sid, full)
+            return verifies, [c for c in chunks if c[0] != sid]
+        outcomes[index] = full
+        return [v for v in verifies if v[0] != index], chunks
+
+    def _prefill_budget(self, verify_rows: int) -> int:
+        """Prompt rows this pass may carry: PREFILL_CHUNK, or beside ``verify_rows`` the most
+        (halving, down to MIN_PREFILL_ROWS) the cost curve says keep the pass within
+        PREFILL_SLOWDOWN of the verification rows' own."""
+        if not verify_rows or not self.cost.ms:
+            return PREFILL_CHUNK
+        limit = PREFILL_SLOWDOWN * self.cost.cost(verify_rows)
+        rows = PREFILL_CHUNK
+        while rows > MIN_PREFILL_ROWS and self.cost.cost(verify_rows + rows) > limit:
+            rows //= 2
+        return max(rows, MIN_PREFILL_ROWS)
+
+    def _plan_prefill(self, verify_rows: int) -> list[tuple[int, _Prefill, int]]:
+        """(sid, prefill, rows) for this pass: the budget beside ``verify_rows``
+        (``_prefill_budget``) split evenly among the clients with prompts waiting, and each
+        client's part evenly among its prompts (``_water_fill``). A client that needs less than
+        its part gets all it needs, and its rows then count as work the others' prompt rows must
+        not slow down (PREFILL_SLOWDOWN): a short prompt beside a long one is served in one pass
+        that costs about what it would alone."""
+        by_client: dict[int, list[tuple[int, _Prefill]]] = {}
+        for sid, p in self.prefills.items():
+            by_client.setdefault(p.client or -1 - sid, []).append((sid, p))
+        clients = list(by_client)
+        want = [sum(len(p.todo) for _, p in by_client[c]) for c in clients]
+        rows = _water_fill(want, self._prefill_budget(verify_rows))
+        partial = [i for i, (r, w) in enumerate(zip(rows, want, strict=True)) if r < w]
+        if partial and len(partial) < len(clients):  # the long prompts yield to the short ones
+            protected = sum(r for i, r in enumerate(rows) if i not in partial)
+            cap = _water_fill(
+                [rows[i] for i in partial], self._prefill_budget(verify_rows + protected)
+            )
+            for i, r in zip(partial, cap, strict=True):
+                rows[i] = r
+        chunks = []
+        for client, give in zip(clients, rows, strict=True):
+            prompts = by_client[client]
+            takes = _water_fill([len(p.todo) for _, p in prompts], give)
+            chunks += [(sid, p, n) for (sid, p), n in zip(prompts, takes, strict=True) if n]
+        return chunks
+
+    def _fail_prefill(self, sid: int, error: Exception) -> None:
+        del self.prefills[sid]
+        self._finished.append((sid, error))
+        self.end(sid)
+
+    def _after_pass(self, segments, verifies, ms: float) -> PassInfo:
         rows = sum(len(s.tokens) for s in segments)
         if verifies:
             self.cost.observe(rows, ms)
@@ -337,17 +528,43 @@ class TargetModel:
             self.end(req.sid)
         return Verified(result, pass_ms + (time.perf_counter() - t0) * 1e3)
 
-    def _open(self, req: Open) -> tuple[_Sequence, list[int]]:
+    def _open(self, req: Open) -> None:
         if not req.prompt:
             raise ValueError("prompt must hold at least one token")
         self._check_ids(req.prompt)
         self.end(req.sid)
-        session = _Sequence(params=req.params, slot=self.forward.slots.open(req.sid))
+        slots = self.forward.slots
+        need = slots.growth_bytes(None, len(req.prompt) - 1)  # the prompt's whole slot, now
+        if self.kv_bytes + need > self.kv_capacity:
+            raise self._full(req.sid, need, "its prompt")
+        try:
+            slot = slots.open(req.sid)
+            slots.reserve(slot, len(req.prompt) - 1)
+        except Exception as e:
+            slots.free(req.sid)
+            if _out_of_memory(e):
+                raise self._full(req.sid, need, "its prompt") from e
+            raise
+        session = _Sequence(params=req.params, slot=slot, lease_s=max(req.lease_s, 0.0))
         self.sessions[req.sid] = session
-        return session, list(req.prompt[:-1])
+        todo = list(req.prompt[:-1])
+        if todo:
+            self.prefills[req.sid] = _Prefill(session, todo, req.client)
+        else:
+            self._finished.append((req.sid, None))
+
+    def _full(self, sid: int, need: int, what: str) -> KVCapacityExceeded:
+        mib = 2**20
+        return KVCapacityExceeded(
+            f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, "
+            f"{max(self.kv_capacity - self.kv_bytes, 0) / mib:.1f} of "
+            f"{self.kv_capacity / mib:.1f} MiB free here; retry when sessions end"
+        )
 
     def _checked(self, req: Verify) -> _Sequence:
         session = self._get(req.sid)
+        if req.sid in self.prefills:
+            raise ValueError(f"session {req.sid} is still prefilling its prompt")
         if req.base_len != session.cache_len + 1:
             raise ValueError(f"base_len {req.base_len} != committed_len {session.cache_len + 1}")
         if not req.tokens:
@@ -386,8 +603,15 @@ class TargetModel:
             self.forward.slots.free(scratch)
 
     def evict_idle(self, max_idle_s: float) -> list[int]:
+        """Ends sessions idle for longer than ``max_idle_s``, or than their lease. A prompt
+        still waiting for its rows is work in flight (its Open is not answered), never idle."""
         now = time.monotonic()
-        stale = [sid for sid, s in self.sessions.items() if now - s.last_used > max_idle_s]
+        stale = [
+            sid
+            for sid, s in self.sessions.items()
+            if now - s.last_used > (min(max_idle_s, s.lease_s) if s.lease_s else max_idle_s)
+            and sid not in self.prefills
+        ]
         for sid in stale:
             self.end(sid)
         return stale

@@ -13,7 +13,12 @@ grow to (max_new_tokens, "as many as fit" for an OpenAI request without max_toke
 nothing until it is generated. Bytes are counted at the target's own bytes per position (its
 KV dtype, reported with every session's start; the serve flags' guess until then).
 
-The budget is the sum the target may hold. A Start or a growth that would exceed it is refused
+The budget is the sum the target may hold: ``budget_bytes`` (the serve flags'), lowered to what the
+targets can still hold for this gateway as they report with every session's start
+(``observe_capacity``: a target's KV capacity less what other gateways' sessions hold there), so
+gateways sharing a target share its capacity. The target enforces its capacity itself (a growth
+beyond it is refused, retryably); the gateway's count only keeps refusals early and cheap. A
+Start or a growth that would exceed the budget is refused
 with RESOURCE_EXHAUSTED and a retry hint (after trying the reclaim policy below); a refused
 growth ends its stream, and the edge re-opens from its committed sequence when the hint says
 (nothing the edge holds is lost). A slot larger than the whole budget is refused without a
@@ -194,6 +199,8 @@ class Admission:
         # What a KV position costs: the flags' guess, then what the targets report (observe_kv)
         self.bytes_per_token = kv.bytes_per_token if kv is not None else 0
         self._reported: dict[str, int] = {}
+        # Per replica, from its last start: (KV capacity, bytes other gateways hold there)
+        self._capacity: dict[str, tuple[int, int]] = {}
         self.max_block = max_block  # a verification block in flight also takes positions
         self.max_sessions = max_sessions  # streams at once, admitted or waiting for their Start
         self.reclaim_after_s = reclaim_after_s
@@ -233,6 +240,29 @@ class Admission:
             log.info("KV counted at %d bytes a position, as the target reports", counted)
             self.bytes_per_token = counted
 
+    def observe_capacity(self, source: str, capacity: int | None, held: int | None) -> None:
+        """A target's KV capacity and the KV bytes it held (every gateway's sessions), as
+        ``source`` (a replica) reported them with a session's start; None: it did not say.
+        Others hold what it held less this gateway's reservation (which bounds what its own
+        sessions hold). With several replicas the whole reservation is subtracted from each:
+        an estimate that errs towards admitting, as the target refuses what it cannot hold."""
+        if capacity is None or held is None or capacity <= 0 or self.kv is None:
+            return
+        self._capacity[source] = (capacity, max(held - self.reserved_bytes, 0))
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """What the targets reported they may hold, together; None until one did."""
+        return sum(c for c, _ in self._capacity.values()) if self._capacity else None
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The KV bytes this gateway's sessions may reserve now: its budget, or less where the
+        targets have less room for it; None: no limit."""
+        room = sum(c - o for c, o in self._capacity.values()) if self._capacity else None
+        limits = [b for b in (self.budget_bytes, room) if b is not None]
+        return min(limits) if limits else None
+
     def enter(self, client: str | None) -> Ticket:
         """A new stream from ``client`` (a digest or an address; None: no quota applies).
         Raises Refused, or Reclaiming while idle streams make room for it."""
@@ -262,7 +292,7 @@ class Admission:
         grow = slot - ticket.positions
         if grow > 0 and self.kv_per_client is not None and ticket.client is not None:
             self._check_client_quota(ticket, committed_len, slot, grow)
-        if grow > 0 and self.budget_bytes is not None:
+        if grow > 0 and self.limit_bytes is not None:
             self._check_budget(ticket, committed_len, slot, grow)
         if grow > 0:
             ticket.positions = slot
@@ -277,25 +307,26 @@ class Admission:
     def _check_budget(self, ticket: Ticket, committed_len: int, slot: int, grow: int) -> None:
         """Raises Refused (Reclaiming while idle streams make room) unless ``grow`` more
         positions fit the budget."""
-        bpt, mib = self.bytes_per_token, 2**20
+        bpt, mib, limit = self.bytes_per_token, 2**20, self.limit_bytes
         need = slot * bpt
         what = "this session" if not ticket.admitted else "the session's next KV slot"
-        if need > self.budget_bytes:  # no hint: waiting cannot help
+        whole = min(b for b in (self.budget_bytes, self.capacity_bytes) if b is not None)
+        if need > whole:  # no hint: waiting cannot help
             raise Refused(
                 f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens and a "
                 f"block of {self.max_block}), more than the whole KV budget of "
-                f"{self.budget_bytes / mib:.1f} MiB; use a shorter prompt or another server"
+                f"{whole / mib:.1f} MiB; use a shorter prompt or another server"
             )
-        short = self.reserved_bytes + grow * bpt - self.budget_bytes
+        short = self.reserved_bytes + grow * bpt - limit
         if short <= 0:
             return
         self._make_room(ticket, places=False, short=short)
         wait_ms = self.retry_after_ms()
-        free = max(self.budget_bytes - self.reserved_bytes, 0)
+        free = max(limit - self.reserved_bytes, 0)
         then = "" if not ticket.admitted else ", with the committed sequence as the prompt"
         raise Refused(
             f"KV memory budget full: {what} needs {need / mib:.1f} MiB ({committed_len} "
-            f"tokens), {(free + ticket.kv_bytes) / mib:.1f} of {self.budget_bytes / mib:.1f} "
+            f"tokens), {(free + ticket.kv_bytes) / mib:.1f} of {limit / mib:.1f} "
             f"MiB free for it; retry in {wait_ms} ms{then}, or on another replica",
             retry_after_ms=wait_ms,
         )

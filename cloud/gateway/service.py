@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ from specsplit.cloud.gateway.session import Code, GatewaySession, ProtocolError
 from specsplit.cloud.gateway.start import open_session
 from specsplit.cloud.gateway.triton_client import (
     SessionLost,
+    TargetFull,
     TritonRequestError,
     TritonSequence,
     TritonUnavailable,
@@ -71,6 +73,9 @@ log = logging.getLogger(__name__)
 
 _STATUS = {c: getattr(grpc.StatusCode, c.value) for c in Code}
 STEPS_KEPT = 64  # target passes behind Started.step_ms
+# A live session is silent at the target for at most the idle timeout (a client's Draft, or a
+# send it does not read) and a round: its lease there is that plus this.
+LEASE_MARGIN_S = 30.0
 RECLAIM_POLL_S = 0.01  # while a reclaimed stream ends, how often its place is looked for
 RECLAIMED = (
     "session reclaimed: idle while the server was full; "
@@ -119,7 +124,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     async def Generate(self, requests, context) -> AsyncIterator[pb.ServerMessage]:
         """admit -> open -> Started -> the mode's rounds -> Finished."""
         try:
-            ticket = await _admitted(lambda: self.admission.enter(self._client(context)))
+            client = self._client(context)
+            ticket = await _admitted(lambda: self.admission.enter(client))
         except Refused as e:
             await before_refusing(requests)
             await context.abort(
@@ -129,7 +135,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         ticket.end_stream = lambda code, details: self._end(ticket, handler, context, code, details)
         # the reclaim policy's: only ever while idle (cloud.gateway.admission)
         ticket.end = lambda: ticket.end_stream(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
-        lease = Lease(self.replicas, self.sequence_factory)
+        lease = Lease(self.replicas, self._sequences(client))
         messages, session = _Marked(requests.__aiter__(), ticket), None
         try:
             first = await next_message(messages, self.limits.start_timeout_s, "Start")
@@ -144,7 +150,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     await lease.start(
                         session.prompt, session.sampling, session.mode, session.seed, mode.drafts
                     )
-                    self.admission.observe_kv(lease.replica.url, lease.kv_bytes_per_token)
+                    self._observe_target(lease)
                 started = self._started(session, mode, t_start)
                 with self._sending(ticket):
                     yield pb.ServerMessage(started=started)
@@ -155,6 +161,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                         yield pb.ServerMessage(verdict=verdict)
                 with self._sending(ticket):
                     yield pb.ServerMessage(finished=_finished(session))
+        except TargetFull as e:  # the target's own KV capacity: as retryable as the budget's
+            wait_ms = self.admission.retry_after_ms()
+            await context.abort(*_status(Refused(_target_full(e, wait_ms), wait_ms)))
         except (Refused, ProtocolError, SessionLost, TritonUnavailable, TritonRequestError) as e:
             await context.abort(*_status(e))
         except (asyncio.CancelledError, Reclaimed):
@@ -213,6 +222,32 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.admission.observe_kv(lease.replica.url, lease.kv_bytes_per_token)
         await _admitted(lambda: ticket.reserve(committed_len))
 
+    def _observe_target(self, lease: Lease) -> None:
+        """What the target reported with the session's start: its bytes per KV position, its
+        KV capacity and what it holds (admission counts against them)."""
+        url, triton = lease.replica.url, lease.triton
+        self.admission.observe_kv(url, lease.kv_bytes_per_token)
+        capacity, held = getattr(triton, "kv_capacity", None), getattr(triton, "kv_held", None)
+        self.admission.observe_capacity(url, capacity, held)
+
+    def _sequences(self, client: str | None) -> Callable[[object], TritonSequence]:
+        """The sequence factory for one stream: each sequence tells the target its client (a
+        quota's key, hashed: the target shares prefill rows per pass among clients) and its
+        lease (the longest this gateway leaves a live session silent, plus a margin)."""
+        share = 0
+        if client is not None:
+            digest = hashlib.blake2b(client.encode(), digest_size=8).digest()
+            share = int.from_bytes(digest) >> 1 or 1
+        lease_s = self.limits.idle_timeout_s + LEASE_MARGIN_S
+        factory = self.sequence_factory
+
+        def make(triton_client) -> TritonSequence:
+            sequence = factory(triton_client)
+            sequence.client_share, sequence.lease_s = share, lease_s
+            return sequence
+
+        return make
+
     def _client(self, context) -> str | None:
         token = bearer_token(context.invocation_metadata()) if self.quota_by_token else None
         return client_key(token, context.peer(), self.quota_by_token)
@@ -263,6 +298,14 @@ class _Marked:
         msg = await anext(self.messages)
         self.ticket.touch()
         return msg
+
+
+def _target_full(e: TargetFull, wait_ms: int) -> str:
+    detail = str(e).split("KV_CAPACITY_EXCEEDED:", 1)[-1].strip()
+    return (
+        f"the target's KV memory is full ({detail}); retry in {wait_ms} ms with the committed "
+        "sequence as the prompt, or on another replica"
+    )
 
 
 async def _admitted(attempt: Callable[[], T]) -> T:

@@ -47,6 +47,11 @@ class TritonRequestError(RuntimeError):
     """Triton refused a request (a bug on our side if the gateway validated it)."""
 
 
+class TargetFull(TritonRequestError):
+    """The target cannot hold the session's KV now (its capacity, or an out-of-memory pass):
+    the session is as it was, the stream intact; the edge may retry when told."""
+
+
 @dataclass(frozen=True)
 class VerifyReply:
     accepted: int
@@ -80,6 +85,11 @@ def _int(result, name: str) -> int:
     return int(result.as_numpy(name).reshape(-1)[0])
 
 
+def _optional(result, name: str) -> int | None:
+    value = result.as_numpy(name)
+    return int(value.reshape(-1)[0]) if value is not None else None
+
+
 _STUB_DEAD = "is not healthy"  # Triton's "Stub process '<instance>' is not healthy."
 
 
@@ -87,6 +97,8 @@ def _classify(error: Exception) -> Exception:
     msg = str(error)
     if "SESSION_NOT_FOUND" in msg or "must specify the START flag" in msg:
         return SessionLost(msg)
+    if "KV_CAPACITY_EXCEEDED" in msg:
+        return TargetFull(msg)
     # A dead Python backend stub fails every request until its server is restarted (the
     # supervisor does that): the replica is down, like one that cannot be reached.
     if "StatusCode.UNAVAILABLE" in msg or "failed to connect" in msg.lower() or _STUB_DEAD in msg:
@@ -102,7 +114,17 @@ class TritonSequence:
         self._responses = None
         self._open = False
         self.speculative = True
+        # Whose share of the target's prefill rows per pass this prompt counts against (a hash
+        # of the gateway's client; 0: none, the session alone). Set before start.
+        self.client_share = 0
+        # The target evicts the session once idle this long (0: its own idle limit): a lease
+        # each request renews, so the sessions of a gateway that died do not hold KV for long.
+        self.lease_s = 0.0
         self.kv_bytes_per_token: int | None = None  # the target's, from its START reply
+        # From the START reply: the KV bytes the target may hold and holds (every gateway's
+        # sessions); None where it did not say (an older model, a fake).
+        self.kv_capacity: int | None = None
+        self.kv_held: int | None = None
 
     async def _requests(self):
         while (item := await self._queue.get()) is not None:
@@ -150,11 +172,16 @@ class TritonSequence:
             _tensor("MODE", np.array([[int(mode)]], np.int32), "INT32"),
             _tensor("SPECULATIVE", np.array([[int(speculative)]], np.int32), "INT32"),
         ]
+        if self.client_share:
+            inputs.append(_tensor("CLIENT", np.array([[self.client_share]], np.int64), "INT64"))
+        if self.lease_s:
+            inputs.append(_tensor("LEASE_S", np.array([[self.lease_s]], np.float32), "FP32"))
         self.speculative = speculative
         result = await self._call(inputs, start=True)
         self._open = True
-        kv = result.as_numpy("KV_BYTES")
-        self.kv_bytes_per_token = int(kv.reshape(-1)[0]) if kv is not None else None
+        self.kv_bytes_per_token = _optional(result, "KV_BYTES")
+        self.kv_capacity = _optional(result, "KV_CAPACITY")
+        self.kv_held = _optional(result, "KV_HELD")
 
     async def verify(
         self, base_len: int, tokens: Sequence[int], q: Sequence[SparseDist] | None = None

@@ -42,7 +42,7 @@ class FakeTarget:
     def evict_idle(self, idle_s):
         return []
 
-    def run(self, requests):
+    def step(self, requests):
         if self.fail:
             raise RuntimeError("boom")
         self.batches.append(sorted(r.sid for r in requests))
@@ -52,7 +52,14 @@ class FakeTarget:
             time.sleep(self.pass_s)
         else:
             self.clock.advance_to(self.clock.monotonic() + self.pass_s)
-        return [None] * len(requests), PassInfo(len(requests), len(requests), self.pass_s * 1e3, 4)
+        info = PassInfo(len(requests), len(requests), self.pass_s * 1e3, 4)
+        return [None] * len(requests), info, []
+
+    def end(self, sid):
+        return False
+
+    def take_finished(self):
+        return []
 
 
 def closed_loop(engine, target, first, late, rounds, clock: VirtualClock, turnaround_s=0.002):

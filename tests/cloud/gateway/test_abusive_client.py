@@ -6,10 +6,11 @@ idle (they read), so the reclaim policy never ends them: only the per-client KV 
 KV budget, as they did without it.
 
 Times to first token are printed (run with -s), not asserted: no timing assertions in tests. The
-issue's target (within 2x of an idle server's) is not met yet: the abuser's admitted prefills
-still share every target pass with the polite client's (no per-client prefill share per pass).
-Without the KV quota (``--kv-per-client-mib 0``) the polite client was refused "KV memory budget
-full" until its retry window ran out.
+issue's target (within 2x of an idle server's) is not met on a shared 2-core host: the target
+now shares prefill rows per pass among clients (tests/cloud/engine/test_prefill_share.py), and
+what remains is the gateway's CPU, spent on the abuser's refused streams (docs/operations.md,
+"What one client may hold"). Without the KV quota (``--kv-per-client-mib 0``) the polite client
+was refused "KV memory budget full" until its retry window ran out.
 """
 
 from __future__ import annotations

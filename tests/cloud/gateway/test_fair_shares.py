@@ -11,10 +11,13 @@ import grpc
 import pytest
 
 from specsplit.cloud.gateway.limits import GatewayLimits
-from specsplit.cloud.gateway.security import TokenAuth
+from specsplit.cloud.gateway.security import Security, TokenAuth
+from specsplit.cloud.gateway.triton_client import TritonSequence
+from specsplit.shared.acceptance import VerificationMode
 from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
+from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
-from tests.fakes import gateway
+from tests.fakes import FakeTriton, gateway
 
 CLOUD_ONLY = pb.ClientMessage(
     start=pb.Start(
@@ -125,3 +128,57 @@ def test_the_cap_reaches_the_server_options():
     assert options["grpc.max_concurrent_streams"] == 3
     with pytest.raises(ValueError, match="streams per connection"):
         GatewayLimits(max_streams_per_connection=0)
+
+
+def test_each_sequence_tells_the_target_its_client():
+    """The target shares prefill rows per pass among clients (cloud.engine.target): the gateway
+    tags each sequence with its client's quota key, hashed; two tokens, two shares."""
+    shares: list[int] = []
+
+    class Recording(FakeTriton):
+        async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True):
+            shares.append(self.client_share)
+
+    async def one(address: str, token: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = pb_grpc.SpeculativeDecodingStub(channel).Generate(
+                iter([CLOUD_ONLY]), metadata=(("authorization", f"Bearer {token}"),), timeout=30
+            )
+            assert (await call.read()).WhichOneof("msg") == "started"
+            call.cancel()
+
+    async def run():
+        security = Security(tokens=(b"alpha", b"beta"))
+        async with gateway(Recording, security=security) as address:
+            for token in ("alpha", "beta", "alpha"):
+                await one(address, token)
+
+    asyncio.run(run())
+    assert shares[0] == shares[2] != shares[1] and all(s > 0 for s in shares)
+
+
+def test_a_start_sends_its_client_share():
+    sent = []
+
+    class Client:
+        def stream_infer(self, requests):
+            async def replies():
+                async for request in requests:
+                    sent.append({i.name(): i for i in request["inputs"]})
+                    yield _StartResult(), None
+
+            return replies()
+
+    async def run():
+        sequence = TritonSequence(Client())
+        sequence.client_share = 12345
+        await sequence.start([1, 2], SamplingConfig(), VerificationMode.GREEDY, seed=0)
+        await sequence.close()
+
+    asyncio.run(run())
+    assert "CLIENT" in sent[0]
+
+
+class _StartResult:
+    def as_numpy(self, name):
+        return None

@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from specsplit.cloud.engine.batch import BatchEngine
 from specsplit.cloud.engine.target import (
     Close,
+    KVCapacityExceeded,
     Open,
     PassInfo,
     Request,
@@ -60,7 +61,13 @@ def _array(request, name: str):
 
 
 def _response(
-    accepted: int, token: int, verify_ms: float, cache_len: int, sessions: int, info, kv: int = 0
+    accepted: int,
+    token: int,
+    verify_ms: float,
+    cache_len: int,
+    sessions: int,
+    info,
+    kv: tuple[int, int, int] = (0, 0, 0),  # START: bytes a position, capacity, held
 ):
     def out(name, value, dtype):
         return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))
@@ -75,7 +82,9 @@ def _response(
             out("BATCH_ROWS", info.rows, np.int32),
             out("BATCH_SESSIONS", info.sessions, np.int32),
             out("BLOCK_HINT", info.block_hint, np.int32),
-            out("KV_BYTES", kv, np.int64),
+            out("KV_BYTES", kv[0], np.int64),
+            out("KV_CAPACITY", kv[1], np.int64),
+            out("KV_HELD", kv[2], np.int64),
         ]
     )
 
@@ -89,6 +98,8 @@ def _error(e: Exception):
         return pb_utils.InferenceResponse(
             error=pb_utils.TritonError(f"SESSION_NOT_FOUND: {e.args[0]}")
         )
+    if isinstance(e, KVCapacityExceeded):  # the gateway retries it (RESOURCE_EXHAUSTED)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"KV_CAPACITY_EXCEEDED: {e}"))
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
 
 
@@ -120,7 +131,8 @@ def _parse(request) -> Request:
             seed=int(_scalar(request, "SEED", 0)),
             speculative=bool(_scalar(request, "SPECULATIVE", 1)),
         )
-        return Open(sid, tokens, params)
+        client, lease_s = int(_scalar(request, "CLIENT", 0)), float(_scalar(request, "LEASE_S", 0))
+        return Open(sid, tokens, params, client=client, lease_s=lease_s)
     end = bool(_scalar(request, "END", 0))
     if end and not tokens:
         return Close(sid)
@@ -142,6 +154,9 @@ class TritonPythonModel:
         self.idle_s = float(_param(config, "session_idle_s", "600"))
         dtype = os.environ.get("SPECSPLIT_TARGET_DTYPE") or _param(config, "dtype", "auto")
         weights = os.environ.get("SPECSPLIT_TARGET_WEIGHTS") or _param(config, "weights", "auto")
+        capacity_mib = os.environ.get("SPECSPLIT_KV_CAPACITY_MIB") or _param(
+            config, "kv_capacity_mib"
+        )
         try:
             self.target = TargetModel(
                 target_dir,
@@ -149,6 +164,7 @@ class TritonPythonModel:
                 dtype=dtype,
                 weights=weights,
                 packed_linear=os.environ.get("SPECSPLIT_PACKED_LINEAR", "1") != "0",
+                kv_capacity=int(float(capacity_mib) * 2**20) if capacity_mib else None,
             )
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from e
@@ -177,8 +193,10 @@ class TritonPythonModel:
                 _send(sender, _error(outcome))
             elif isinstance(request, Open):
                 cache_len = len(request.prompt) - 1
-                # The gateway's admission counts KV bytes at this figure: the slots' real dtype.
-                kv = self.target.forward.slots.bytes_per_token
+                # The gateway's admission counts KV bytes at the slots' real dtype, against
+                # what this target may hold and holds now (all gateways' sessions).
+                target = self.target
+                kv = (target.forward.slots.bytes_per_token, target.kv_capacity, target.kv_bytes)
                 _send(sender, _response(0, -1, info.ms, cache_len, sessions, info, kv))
             elif isinstance(request, Close):
                 _send(sender, _response(0, -1, 0.0, 0, sessions, info or PassInfo()))
