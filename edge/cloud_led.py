@@ -72,6 +72,9 @@ class Handover:
     block: Block  # its drafts, sent from the committed prefix
     remaining: int  # tokens to go when it was sent
     acceptance: DraftLength  # what the lock-step rounds measured, per position
+    # The cloud's first cloud-led Verdict, when the cloud took the lead itself (Verdict.led),
+    # read by the lock-step loop: the first the cloud-led rounds commit.
+    led: pb.Verdict | None = None
 
 
 class _Reach:
@@ -125,7 +128,11 @@ async def cloud_led_rounds(
         lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
         reach = _Reach(k_max, limit, *lead)
     verdicts: asyncio.Queue = asyncio.Queue()
-    receiver = asyncio.create_task(_receive(stream, verdicts))
+    led = handover.led if handover is not None else None
+    if led is not None:
+        verdicts.put_nowait(led)
+    over = led is not None and led.finished  # the final Verdict, read already: none to receive
+    receiver = asyncio.create_task(asyncio.sleep(0) if over else _receive(stream, verdicts))
     spec = _Speculation(handover.block if handover else None, len(stream.committed))
     drafts = _Drafts(stream, started, handover)
     paused, hint = 0, k_max

@@ -229,3 +229,37 @@ def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
     kinds, code = asyncio.run(call())
     assert kinds[0] == "started" and kinds[-1] == "finished", kinds
     assert code == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
+    cloud, tiny, target_greedy, monkeypatch, draft
+):
+    """The edge never leads here (its choice is forced off), and its first Draft comes 75 ms
+    after Started (a 150 ms link): dozens of the tiny target's steps, past the cloud's bound
+    (Started.lead_after_ms). The cloud leads itself (Verdict.led), the edge goes on cloud-led
+    from that Verdict, and no token is lost or doubled: greedy output equals cloud-only's."""
+    from specsplit.edge.mode_switch import LeadChoice
+
+    auto = property(lambda cfg: cfg.session_mode == "auto")  # despite follow_hint False
+    monkeypatch.setattr(GenerationConfig, "may_lead", auto)
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: False)
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
+    drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
+    port = port_of(cloud)
+    asyncio.run(_generate(port, 0, drafter, PROMPTS[0], "lock-step"))  # a step measured
+
+    async def cloud_only(prompt):
+        async with SplitClient(cloud.address, None) as client:
+            gen = client.generate(prompt, GenerationConfig(max_new_tokens=N_NEW), mode="cloud-only")
+            return await gen.collect()
+
+    for prompt in PROMPTS:
+        want = asyncio.run(cloud_only(prompt))
+        assert want == target_greedy[tuple(prompt)]
+        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", draft_tokens=4))
+        s = gen.stats
+        assert gen.token_ids == want, (prompt, draft)
+        assert s.cloud_took_lead and s.lead_round == 1, s.summary()
+        assert s.target_forward_passes == s.rounds
+        assert s.new_tokens == s.accepted + s.rounds

@@ -122,10 +122,16 @@ class DraftPool:
 
 
 async def cloud_led_rounds(
-    step: Round, messages, first: PendingDraft | None = None
+    step: Round,
+    messages,
+    first: PendingDraft | None = None,
+    reading: asyncio.Future | None = None,
 ) -> AsyncIterator[pb.Verdict]:
     """Verdicts of a cloud-led session, one per target step, until generation ends; ``first``:
-    the Draft.lead that switched a lock-step session, verified by the first step."""
+    the Draft.lead that switched a lock-step session, verified by the first step; ``reading``:
+    the read of a lock-step session's first Draft, still under way when the server took the
+    lead itself (cloud.gateway.lockstep; Verdict.led): the reader's first read, and a lead
+    Draft sent before the client heard of the switch is read as an ordinary one."""
     session = step.session
     pool = DraftPool()
     if first is not None:
@@ -136,9 +142,18 @@ async def cloud_led_rounds(
     credit = [budget]  # Drafts the reader may still read before the next step
     stepped = asyncio.Event()
 
+    async def next_read():
+        nonlocal reading
+        if reading is None:
+            return await next_draft(messages, None)
+        pending, reading = reading, None
+        return await pending
+
+    took_lead = reading is not None
+
     async def read() -> None:
         try:  # no idle timeout: the edge may stop drafting while the cloud streams on
-            while (d := await next_draft(messages, None)) is not None:
+            while (d := await next_read()) is not None:
                 credit[0] -= 1
                 if credit[0] <= 0:
                     stepped.clear()
@@ -147,7 +162,7 @@ async def cloud_led_rounds(
                     break
                 if session.finish is not Finish.NONE:
                     continue  # sent before the client heard the final verdict: not an error
-                if d.lead:
+                if d.lead and not took_lead:
                     raise ProtocolError(
                         Code.INVALID_ARGUMENT, "Draft.lead is only valid in a lock-step session"
                     )
