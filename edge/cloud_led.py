@@ -168,6 +168,8 @@ async def cloud_led_rounds(
                 now = time.perf_counter()
                 chunk, offset = drafts.apply(v)
                 step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
+                # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
+                stats.cloud_took_lead |= v.led
                 if reach is not None:
                     reach.observe(offset, step.drafted, step.accepted)
                 t_prev = now
