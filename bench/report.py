@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import peers_report
 from bench.report_modes import (
     ADAPTIVE,
     SPLIT,
     bytes_table,
     condition,
+    llama_cpp_tok_s,
     normalise,
     speed_plots,
     step_ms,
@@ -233,6 +235,25 @@ def _targets(best: dict, overhead: dict | None) -> list[str]:
     return lines
 
 
+def _llama_note(llama: dict[str, float], cls: str) -> list[str]:
+    """Where the × llama.cpp column's figure comes from (bench.report_modes.llama_cpp_tok_s)."""
+    if cls not in llama:
+        return [
+            "× llama.cpp: no figure (no docs/peers-raw.jsonl with llama.cpp on the cloud's core"
+            f" for {cls} prompts: `make bench-peers` writes it).",
+            "",
+        ]
+    return [
+        f"× llama.cpp: the default's tok/s over llama.cpp at its defaults on the cloud's one"
+        f" core, {llama[cls]:.2f} tok/s on {cls} prompts (`{peers_report.BASELINE}` in"
+        " `peers-raw.jsonl`, from `make bench-peers`: the held-out prompts, 64 new tokens, at"
+        " RTT 0, in other minutes than this page's). Client cold: a new client with no link in"
+        " memory, as a fresh `specsplit-edge generate` process; warm: the link its cell's cold"
+        " run measured, saved to and read back from a link-memory file (edge/link_memory.py).",
+        "",
+    ]
+
+
 def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     lines = raw.read_text().splitlines()
     records = [normalise(json.loads(line)) for line in lines if line.strip()]
@@ -243,6 +264,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     same, total = identical_to_target(records)
     plan = meta["plan"]
     noise, warm = timing_noise(records), warm_table(records)
+    peers_raw = raw.parent / "peers-raw.jsonl"  # make bench-peers writes it beside this page
+    llama = llama_cpp_tok_s(peers_raw)
     md = [
         f"# specsplit benchmarks{' (quick subset)' if 'quick' in name else ''}",
         "",
@@ -318,7 +341,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
             for line in (
                 f"## Default mode against cloud-only and the best fixed k, {cls} prompts",
                 "",
-                *targets(records, cls),
+                *_llama_note(llama, cls),
+                *targets(records, cls, llama),
                 "",
             )
         ),

@@ -29,6 +29,7 @@ from bench.proxy import DelayProxy
 from bench.stamp import stamp
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.mode_switch import Link
 from specsplit.edge.models import DEFAULT_PRECISION, PRECISIONS
 from specsplit.shared.sampling import SamplingConfig
@@ -47,8 +48,9 @@ SESSION_MODE = {"cloud-led": "cloud-led", "auto": "auto", "auto-warm": "auto"}
 class Config:
     # cloud-only, edge-only, lock-step (fixed k), lock-step-adaptive / cloud-led / auto (k <= k;
     # auto: the default session mode, lock-step until it measures cloud-led to be faster) /
-    # auto-warm (auto on a new client given the link its cell's last auto run measured:
-    # SplitClient(link=...), what an app gets from its second generation on)
+    # auto-warm (auto on a new client given the link its cell's last auto run measured, saved
+    # to and read back from a link-memory file (edge.link_memory): what the CLI's next process
+    # or an app's second generation gets; auto is the cold client, no link in memory)
     mode: str
     k: int  # 0 for cloud-only / edge-only; the fixed k, or the adaptive modes' maximum
     temperature: float
@@ -220,15 +222,16 @@ def run_meta(
     }
 
 
-async def run_all(plan: BenchPlan, address: str, drafter, codec, raw: Path, done: set) -> None:
+async def run_all(
+    plan: BenchPlan, address: str, drafter, codec, raw: Path, done: set, links_file: Path
+) -> None:
+    """Runs what ``done`` lacks of ``plan``, appending to ``raw``; ``links_file``: the link
+    memory (edge.link_memory) auto runs save to and auto-warm runs read, per cell."""
     gateway_port = int(address.rsplit(":", 1)[1])
     encoded = {p["id"]: codec.chat_prompt(p["prompt"]) for p in plan.prompts}
     await generate(
         address, drafter, encoded[plan.prompts[0]["id"]], Config("lock-step", 4, 0, 0), 8, 0
     )
-    # The link each cell's latest auto (or auto-warm) run measured, per prompt: auto-warm runs
-    # right after auto in the schedule, on a new client given it.
-    links: dict[tuple, Link | None] = {}
     todo = [
         (c, p, j)
         for c, j in plan.schedule()
@@ -251,13 +254,16 @@ async def run_all(plan: BenchPlan, address: str, drafter, codec, raw: Path, done
             async with DelayProxy(gateway_port, **link) as proxy:
                 # RTT 0 goes direct: no proxy hop in the loopback baseline
                 via = f"127.0.0.1:{proxy.port}" if cfg.rtt_ms > 0 else address
-                cell = (cfg.rtt_ms, cfg.link, cfg.temperature, prompt["id"])
-                known = links.get(cell) if cfg.mode == "auto-warm" else None
+                # The link each cell's latest auto (or auto-warm) run measured, per prompt,
+                # named by the cell (each run has its own proxy port): auto-warm runs right
+                # after auto in the schedule, on a new client given what the file holds.
+                cell = f"{cfg.rtt_ms:g}/{cfg.link}/{cfg.temperature:g}/{prompt['id']}"
+                known = load_link(cell, links_file) if cfg.mode == "auto-warm" else None
                 gen, measured = await generate(
                     via, drafter, ids, cfg, plan.max_new_tokens, seed, known
                 )
-                if cfg.mode in ("auto", "auto-warm"):
-                    links[cell] = measured
+                if cfg.mode in ("auto", "auto-warm") and measured is not None:
+                    save_link(cell, measured, links_file)
             out.write(json.dumps(record(cfg, prompt, j, gen)) + "\n")
             out.flush()
             progress.advance(task)
@@ -342,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             cloud.start()
         try:
             drafter = OnnxDrafter(draft_dir, threads=len(edge_cores))
-            asyncio.run(run_all(plan, cloud.address, drafter, TextCodec(draft_dir), raw, done))
+            codec, links_file = TextCodec(draft_dir), Path(logs) / "links.json"
+            asyncio.run(run_all(plan, cloud.address, drafter, codec, raw, done, links_file))
         except KeyboardInterrupt:
             interrupted = True  # keep what was measured; report it below
             console.print("[yellow]interrupted: reporting the generations finished so far")
