@@ -109,6 +109,13 @@ class BenchPlan:
         rtts = tuple(r for r in self.rtts_ms if r in conditions)
         return replace(self, rtts_ms=rtts, lte="lte" in conditions)
 
+    def at(self, temperatures: Sequence[float]) -> BenchPlan:
+        """This plan cut to some temperatures (``--temperature``): one short cell to check."""
+        unknown = [t for t in temperatures if t not in self.temperatures]
+        if unknown:
+            raise SystemExit(f"--temperature {unknown}: not in this plan's temperatures")
+        return replace(self, temperatures=tuple(t for t in self.temperatures if t in temperatures))
+
     def configs(self) -> list[Config]:
         """Condition-major, so a run stopped early still covers every temperature at the low
         RTTs; every mode runs in the same minutes as the others of its condition."""
@@ -292,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MS|lte",
         help="only this condition (repeatable): rerun some cells into their own report",
     )
+    p.add_argument(
+        "--temperature",
+        action="append",
+        type=float,
+        metavar="T",
+        help="only this temperature (repeatable): with --quick and --rtt, one short cell",
+    )
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
@@ -305,11 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args.quick, args.max_new_tokens)
     if args.rtt:
         plan = plan.only(args.rtt)
+    if args.temperature:
+        plan = plan.at(args.temperature)
     name = "benchmarks-quick" if args.quick else "benchmarks"
     if args.target_dtype != "auto":
         name += f"-{args.target_dtype}"
     if args.rtt:  # never over the full report
         name += "-rtt" + "-".join(str(c) if c == "lte" else f"{c:g}" for c in args.rtt)
+    if args.temperature:
+        name += "-t" + "-".join(f"{t:g}" for t in args.temperature)
     raw = args.out / f"{name}-raw.jsonl"
     meta_path = args.out / f"{name}-meta.json"
     args.out.mkdir(parents=True, exist_ok=True)
