@@ -19,6 +19,7 @@ from bench import peers_report
 from bench.report_modes import (
     ADAPTIVE,
     SPLIT,
+    after_rejection_table,
     bytes_table,
     condition,
     llama_cpp_tok_s,
@@ -264,6 +265,7 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     same, total = identical_to_target(records)
     plan = meta["plan"]
     noise, warm = timing_noise(records), warm_table(records)
+    corrections = after_rejection_table(records)
     peers_raw = raw.parent / "peers-raw.jsonl"  # make bench-peers writes it beside this page
     llama = llama_cpp_tok_s(peers_raw)
     md = [
@@ -350,6 +352,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         *([""] if noise else []),
         *warm,
         *([""] if warm else []),
+        *corrections,
+        *([""] if corrections else []),
         "## Bytes per generated token, by mode (protobuf payload, all conditions and prompts)",
         "",
         *bytes_table(records),

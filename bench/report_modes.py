@@ -208,6 +208,37 @@ def warm_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def after_rejection_table(records: list[dict]) -> list[str]:
+    """Per split mode and condition: target passes right after a pass that corrected a draft,
+    and how many of them verified no draft (GenerationStats.draftless_after_rejection): the
+    steps a cloud-led target spends before the edge's drafts after the correction reach it."""
+    rows = [r for r in records if r.get("passes_after_rejection")]
+    if not rows:
+        return []
+    lines = [
+        "## Passes right after a correction (cloud-led steps; auto once it led)",
+        "",
+        "A draftless pass verifies nothing: the edge's drafts after the correction had not"
+        " reached the cloud yet. The cloud waits for them up to half a step where they are"
+        " measured to come sooner (cloud/gateway/cloud_led.py).",
+        "",
+        "| condition | T | mode | passes after a correction | draftless | share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (link, rtt, t), modes in cells(rows):
+        for mode in SPLIT:
+            group = modes.get(mode, [])
+            passes = sum(r["passes_after_rejection"] for r in group)
+            if not passes:
+                continue
+            draftless = sum(r.get("draftless_after_rejection", 0) for r in group)
+            lines.append(
+                f"| {condition(rtt, link)} | {t:g} | {mode} | {passes} | {draftless} "
+                f"| {draftless / passes:.2f} |"
+            )
+    return lines
+
+
 def bytes_table(records: list[dict]) -> list[str]:
     lines = [
         "| mode | T | bytes up / token | bytes down / token | acceptance |",

@@ -136,6 +136,7 @@ async def cloud_led_rounds(
     spec = _Speculation(handover.block if handover else None, len(stream.committed))
     drafts = _Drafts(stream, started, handover)
     paused, hint = 0, k_max
+    after_rejection = False  # the previous Verdict corrected a draft
     remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
     worker: Worker | None = None
@@ -170,6 +171,10 @@ async def cloud_led_rounds(
                 step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
                 # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
                 stats.cloud_took_lead |= v.led
+                if after_rejection:
+                    stats.passes_after_rejection += 1
+                    stats.draftless_after_rejection += step.drafted == 0
+                after_rejection = v.has_token and step.accepted < step.drafted
                 if reach is not None:
                     reach.observe(offset, step.drafted, step.accepted)
                 t_prev = now

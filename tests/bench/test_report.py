@@ -226,3 +226,15 @@ def test_cold_and_warm_clients_have_their_own_rows_and_llama_cpp_its_column(tmp_
     assert lines[-2].endswith("| MISSED |") and lines[-1].endswith("| MISSED |")
     no_llama = targets([cloud, fixed, cold, warm], "code", {})
     assert "| 2.50 | – |" in no_llama[-1]
+
+
+def test_draftless_passes_after_a_correction_per_mode_and_condition():
+    from bench.report_modes import after_rejection_table
+
+    assert after_rejection_table([rec(mode="lock-step", link="")]) == []
+    led = [
+        rec(mode="cloud-led", k=8, link="", passes_after_rejection=6, draftless_after_rejection=2),
+        rec(mode="cloud-led", k=8, link="", passes_after_rejection=4, draftless_after_rejection=1),
+    ]
+    lines = after_rejection_table([*led, rec(mode="lock-step", link="")])
+    assert lines[-1] == "| 0 ms | 0 | cloud-led | 10 | 3 | 0.30 |"
