@@ -42,6 +42,7 @@ LTE = {"rtt_ms": 50.0, "jitter_ms": 10.0, "up_bps": 5e6, "down_bps": 20e6}  # a 
 SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led", "auto", "auto-warm")
 # The client's session mode per bench mode (lock-step for the rest); these run as with no seed.
 SESSION_MODE = {"cloud-led": "cloud-led", "auto": "auto", "auto-warm": "auto"}
+MODES = ("edge-only", "cloud-only", *SPLIT_MODES)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class BenchPlan:
     # Greedy generations per prompt and config: the same output, timed again (one 32-token run
     # on this shared machine carries 10-20% timing noise).
     repeats: int = 1
+    modes: tuple[str, ...] | None = None  # None: every mode (MODES)
 
     def samples_of(self, cfg: Config) -> int:
         return self.samples if cfg.temperature > 0 else self.repeats
@@ -109,6 +111,13 @@ class BenchPlan:
         rtts = tuple(r for r in self.rtts_ms if r in conditions)
         return replace(self, rtts_ms=rtts, lte="lte" in conditions)
 
+    def modes_only(self, modes: Sequence[str]) -> BenchPlan:
+        """This plan cut to some modes (``--mode``): those rows of every cell, nothing else."""
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise SystemExit(f"--mode {unknown}: not one of {MODES}")
+        return replace(self, modes=tuple(modes))
+
     def at(self, temperatures: Sequence[float]) -> BenchPlan:
         """This plan cut to some temperatures (``--temperature``): one short cell to check."""
         unknown = [t for t in temperatures if t not in self.temperatures]
@@ -129,7 +138,7 @@ class BenchPlan:
                 out.append(Config("cloud-led", self.k_max, t, rtt, link))
                 out.append(Config("auto", self.k_max, t, rtt, link))
                 out.append(Config("auto-warm", self.k_max, t, rtt, link))
-        return out
+        return [c for c in out if self.modes is None or c.mode in self.modes]
 
 
 def condition(text: str) -> float | str:
@@ -306,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="T",
         help="only this temperature (repeatable): with --quick and --rtt, one short cell",
     )
+    p.add_argument(
+        "--mode",
+        action="append",
+        metavar="MODE",
+        help=f"only this mode (repeatable; {', '.join(MODES)}): auto-warm needs auto before it",
+    )
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
@@ -321,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan.only(args.rtt)
     if args.temperature:
         plan = plan.at(args.temperature)
+    if args.mode:
+        plan = plan.modes_only(args.mode)
     name = "benchmarks-quick" if args.quick else "benchmarks"
     if args.target_dtype != "auto":
         name += f"-{args.target_dtype}"
@@ -328,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         name += "-rtt" + "-".join(str(c) if c == "lte" else f"{c:g}" for c in args.rtt)
     if args.temperature:
         name += "-t" + "-".join(f"{t:g}" for t in args.temperature)
+    if args.mode:
+        name += "-" + "-".join(args.mode)
     raw = args.out / f"{name}-raw.jsonl"
     meta_path = args.out / f"{name}-meta.json"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -66,3 +66,13 @@ def test_a_temperature_cut_keeps_every_mode_at_that_temperature():
     assert {c.mode for c in cut.configs()} == {c.mode for c in quick.configs()}
     with pytest.raises(SystemExit):
         quick.at([0.3])
+
+
+def test_a_mode_cut_keeps_those_rows_of_every_cell():
+    """``--rtt 500 --temperature 0 --mode cloud-only --mode auto --mode auto-warm``."""
+    full = make_plan(False, None).only([500.0]).at([0.0])
+    cut = full.modes_only(["cloud-only", "auto", "auto-warm"])
+    assert [c.mode for c in cut.configs()] == ["cloud-only", "auto", "auto-warm"]
+    assert cut.planned == 3 * full.repeats * len(full.prompts)
+    with pytest.raises(SystemExit):
+        full.modes_only(["fast"])
