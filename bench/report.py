@@ -173,7 +173,7 @@ def plots(records: list[dict], out: Path, name: str) -> list[str]:
     labels, values = [], []
     for (cls, t), g in sorted(group(split, "class", "temperature").items()):
         labels.append(f"{cls}\nT={t:g}")
-        values.append(aggregate(g)["acceptance"])
+        values.append(aggregate(g)["acceptance"] or 0.0)  # None: nothing was verified
     ax.bar(labels, values, color="tab:blue")
     ax.set(ylim=(0, 1), ylabel="acceptance rate", title="acceptance per prompt class (all k, RTT)")
     files.append(f"img/{name}-acceptance.png")
