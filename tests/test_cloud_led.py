@@ -269,3 +269,38 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
         assert s.cloud_took_lead and s.lead_round == 1, s.summary()
         assert s.target_forward_passes == s.rounds
         assert s.new_tokens == s.accepted + s.rounds
+
+
+@pytest.mark.parametrize("verification", [VerificationMode.TOKEN_ONLY, VerificationMode.REJECTION])
+def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
+    cloud, tiny, monkeypatch, verification
+):
+    """Sampled, the cloud's lead is as lossless: in token-only mode every token is the cloud's
+    draw with the session's shared numbers, so the output is cloud-only's for the seed, token
+    for token; in rejection mode the lock-step block (drafted with its q) becomes a cloud-led
+    Draft, and the generation completes (its exactness is the pool's chi-square test in
+    tests/cloud/gateway/test_cloud_led_distribution.py: the pool is the same)."""
+    from specsplit.edge.mode_switch import LeadChoice
+
+    auto = property(lambda cfg: cfg.session_mode == "auto")
+    monkeypatch.setattr(GenerationConfig, "may_lead", auto)
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: False)
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
+    drafter = OnnxDrafter(tiny.target_onnx)
+    port = port_of(cloud)
+    asyncio.run(_generate(port, 0, drafter, PROMPTS[0], "lock-step"))  # a step measured
+    sampling = SamplingConfig(temperature=0.9)
+
+    async def cloud_only(prompt):
+        async with SplitClient(cloud.address, None) as client:
+            cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=5)
+            return await client.generate(prompt, cfg, mode="cloud-only").collect()
+
+    cfg = dict(sampling=sampling, verification=verification, seed=5, draft_tokens=4)
+    for prompt in PROMPTS:
+        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", **cfg))
+        s = gen.stats
+        assert s.cloud_took_lead and s.lead_round == 1, s.summary()
+        assert len(gen.token_ids) == N_NEW and s.new_tokens == s.accepted + s.rounds
+        if verification is VerificationMode.TOKEN_ONLY:
+            assert gen.token_ids == asyncio.run(cloud_only(prompt)), prompt
