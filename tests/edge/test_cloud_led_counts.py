@@ -34,3 +34,18 @@ def test_passes_after_a_correction_are_counted_and_the_output_is_the_targets():
     assert s.accepted < s.drafted  # corrections happened ...
     assert 0 < s.passes_after_rejection <= s.rounds - 1  # ... and a pass followed them
     assert 0 <= s.draftless_after_rejection <= s.passes_after_rejection
+
+
+def test_drafting_pauses_once_the_cloud_dropped_every_draft_as_stale():
+    """A round trip of many target steps: every Draft arrives after the cloud passed it. After
+    PAUSE_STALE such Drafts and none verified, the edge stops sending them (each costs the
+    cloud's core a decode and a check) for PAUSE_VERDICTS verdicts, then counts afresh."""
+    from specsplit.edge.cloud_led import PAUSE_STALE, PAUSE_VERDICTS, _pause
+    from specsplit.edge.generation import GenerationStats
+
+    stats = GenerationStats(mode="split")
+    assert _pause(stats, 0, PAUSE_STALE - 1) == 0
+    assert _pause(stats, 0, PAUSE_STALE) == PAUSE_VERDICTS
+    assert _pause(stats, 5, PAUSE_STALE) == 4  # paused: counts down
+    stats.drafted, stats.accepted = 3, 2  # some Draft was verified: stale ones are timing
+    assert _pause(stats, 0, 10 * PAUSE_STALE) == 0
