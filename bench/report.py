@@ -15,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import peers_report
 from bench.report_modes import (
     ADAPTIVE,
     SPLIT,
+    after_rejection_table,
     bytes_table,
     condition,
+    llama_cpp_tok_s,
     normalise,
     speed_plots,
     step_ms,
@@ -171,7 +174,7 @@ def plots(records: list[dict], out: Path, name: str) -> list[str]:
     labels, values = [], []
     for (cls, t), g in sorted(group(split, "class", "temperature").items()):
         labels.append(f"{cls}\nT={t:g}")
-        values.append(aggregate(g)["acceptance"])
+        values.append(aggregate(g)["acceptance"] or 0.0)  # None: nothing was verified
     ax.bar(labels, values, color="tab:blue")
     ax.set(ylim=(0, 1), ylabel="acceptance rate", title="acceptance per prompt class (all k, RTT)")
     files.append(f"img/{name}-acceptance.png")
@@ -234,6 +237,25 @@ def _targets(best: dict, overhead: dict | None) -> list[str]:
     return lines
 
 
+def _llama_note(llama: dict[str, float], cls: str) -> list[str]:
+    """Where the × llama.cpp column's figure comes from (bench.report_modes.llama_cpp_tok_s)."""
+    if cls not in llama:
+        return [
+            "× llama.cpp: no figure (no docs/peers-raw.jsonl with llama.cpp on the cloud's core"
+            f" for {cls} prompts: `make bench-peers` writes it).",
+            "",
+        ]
+    return [
+        f"× llama.cpp: the default's tok/s over llama.cpp at its defaults on the cloud's one"
+        f" core, {llama[cls]:.2f} tok/s on {cls} prompts (`{peers_report.BASELINE}` in"
+        " `peers-raw.jsonl`, from `make bench-peers`: the held-out prompts, 64 new tokens, at"
+        " RTT 0, in other minutes than this page's). Client cold: a new client with no link in"
+        " memory, as a fresh `specsplit-edge generate` process; warm: the link its cell's cold"
+        " run measured, saved to and read back from a link-memory file (edge/link_memory.py).",
+        "",
+    ]
+
+
 def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     lines = raw.read_text().splitlines()
     records = [normalise(json.loads(line)) for line in lines if line.strip()]
@@ -244,6 +266,9 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     same, total = identical_to_target(records)
     plan = meta["plan"]
     noise, warm = timing_noise(records), warm_table(records)
+    corrections = after_rejection_table(records)
+    peers_raw = raw.parent / "peers-raw.jsonl"  # make bench-peers writes it beside this page
+    llama = llama_cpp_tok_s(peers_raw)
     md = [
         f"# specsplit benchmarks{' (quick subset)' if 'quick' in name else ''}",
         "",
@@ -320,7 +345,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
             for line in (
                 f"## Default mode against cloud-only and the best fixed k, {cls} prompts",
                 "",
-                *targets(records, cls),
+                *_llama_note(llama, cls),
+                *targets(records, cls, llama),
                 "",
             )
         ),
@@ -328,6 +354,8 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         *([""] if noise else []),
         *warm,
         *([""] if warm else []),
+        *corrections,
+        *([""] if corrections else []),
         "## Bytes per generated token, by mode (protobuf payload, all conditions and prompts)",
         "",
         *bytes_table(records),

@@ -3,11 +3,13 @@ mode, and tok/s against RTT per mode. Helpers of ``bench.report`` (which owns th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from bench import peers_report
 from specsplit.edge.mode_switch import LEAD_AT_START
 
 SPLIT = ("lock-step", "lock-step-adaptive", "cloud-led", "auto", "auto-warm")
@@ -19,6 +21,21 @@ EARLIER_DEFAULT = "cloud-led"
 TARGET_VS_CLOUD = 1.0
 TARGET_VS_BEST_K = 0.97
 TARGET_RTT0_GREEDY_CODE = 2.3
+# The clients the default mode is reported for, each its own row: a cold client has no link in
+# memory (a fresh `specsplit-edge generate` process), a warm one has the link its cell's cold
+# run measured, read back from a link-memory file (edge.link_memory), as the CLI's next process.
+CLIENTS = (("cold", DEFAULT_MODE), ("warm", "auto-warm"))
+
+
+def llama_cpp_tok_s(peers_raw: Path) -> dict[str, float]:
+    """llama.cpp at its defaults on the cloud's one core (bench.peers_report.BASELINE), tok/s
+    per prompt class ("code", "prose"), from a ``make bench-peers`` raw file; {} without one."""
+    if not peers_raw.exists():
+        return {}
+    rows = [json.loads(line) for line in peers_raw.read_text().splitlines() if line.strip()]
+    base = [r for r in rows if r.get("row") == peers_report.BASELINE]
+    by_class = {cls: [r for r in base if r["class"] == cls] for cls in {r["class"] for r in base}}
+    return {cls: peers_report.tok_s(g) for cls, g in by_class.items() if g}
 
 
 def normalise(r: dict) -> dict:
@@ -57,46 +74,62 @@ def _tok_s(records: list[dict]) -> float:
     return sum(r["new_tokens"] for r in records) / wall if wall else 0.0
 
 
-def targets(records: list[dict], cls: str | None = None) -> list[str]:
-    """Per condition and temperature: the default mode against cloud-only and the best fixed k."""
+def targets(
+    records: list[dict], cls: str | None = None, llama: dict[str, float] | None = None
+) -> list[str]:
+    """Per condition and temperature: the default mode against cloud-only and the best fixed k,
+    a row per client (CLIENTS: cold, warm) where the run has it; and against llama.cpp on the
+    cloud's core where ``llama`` (llama_cpp_tok_s) holds a figure for ``cls``."""
     modes = {r["mode"] for r in records}
-    default_mode = DEFAULT_MODE if DEFAULT_MODE in modes else EARLIER_DEFAULT
+    clients = CLIENTS if DEFAULT_MODE in modes else (("–", EARLIER_DEFAULT),)
+    llama_tok_s = (llama or {}).get(cls) if cls else None
     lines = [
-        f"Default = {default_mode} (no k given). Targets: ≥ {TARGET_VS_CLOUD:g}× cloud-only and"
-        f" ≥ {TARGET_VS_BEST_K:g}× the best fixed k at every condition; ≥"
+        f"Default = {clients[0][1]} (no k given). Targets: ≥ {TARGET_VS_CLOUD:g}× cloud-only and"
+        f" ≥ {TARGET_VS_BEST_K:g}× the best fixed k at every condition, cold and warm clients; ≥"
         f" {TARGET_RTT0_GREEDY_CODE:g}× cloud-only at RTT 0, greedy, code.",
         "",
-        "| condition | T | RTT ÷ step | default tok/s | cloud-only | best fixed k (tok/s) |"
-        " × cloud-only | × best k | × best k per run | met |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| condition | T | client | RTT ÷ step | default tok/s | cloud-only | × llama.cpp |"
+        " best fixed k (tok/s) | × cloud-only | × best k | × best k per run | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (link, rtt, t), modes in cells(r for r in records if cls is None or r["class"] == cls):
-        default, cloud = modes.get(default_mode, []), modes.get("cloud-only", [])
-        fixed: dict[int, list[dict]] = {}
-        for r in modes.get("lock-step", []):
-            fixed.setdefault(r["k"], []).append(r)
-        if not (default and cloud):
-            continue
-        d, c = _tok_s(default), _tok_s(cloud)
-        best_k, best = max(
-            ((k, _tok_s(g)) for k, g in fixed.items()), key=lambda x: x[1], default=(None, None)
-        )
-        vs_best = d / best if best else None
-        headline = rtt == 0 and not link and t == 0 and cls in ("code", None)  # code's own bar
-        need = TARGET_RTT0_GREEDY_CODE if headline else TARGET_VS_CLOUD
-        met = d / c >= need and (vs_best is None or vs_best >= TARGET_VS_BEST_K)
-        step = step_ms(records, t)
-        per_run = _per_run(default, fixed.get(best_k, []))
-        lines.append(
-            f"| {condition(rtt, link)} | {t:g} | {rtt / step:.2f} | {d:.2f} | {c:.2f} "
-            f"| {'–' if best is None else f'k={best_k} ({best:.2f})'} | {d / c:.2f} "
-            f"| {'–' if vs_best is None else f'{vs_best:.2f}'} | {per_run} "
-            f"| {'met' if met else 'MISSED'} |"
-            if step
-            else f"| {condition(rtt, link)} | {t:g} | – | {d:.2f} | {c:.2f} | – | {d / c:.2f} "
+        for client, mode in clients:
+            row = _target_row(records, link, rtt, t, modes, client, mode, cls, llama_tok_s)
+            lines += [row] if row else []
+    return lines
+
+
+def _target_row(records, link, rtt, t, modes, client, mode, cls, llama_tok_s) -> str | None:
+    """One row of ``targets``: ``mode``'s records in the cell ``modes``, as ``client``."""
+    default, cloud = modes.get(mode, []), modes.get("cloud-only", [])
+    if not (default and cloud):
+        return None
+    fixed: dict[int, list[dict]] = {}
+    for r in modes.get("lock-step", []):
+        fixed.setdefault(r["k"], []).append(r)
+    d, c = _tok_s(default), _tok_s(cloud)
+    best_k, best = max(
+        ((k, _tok_s(g)) for k, g in fixed.items()), key=lambda x: x[1], default=(None, None)
+    )
+    vs_best = d / best if best else None
+    headline = rtt == 0 and not link and t == 0 and cls in ("code", None)  # code's own bar
+    need = TARGET_RTT0_GREEDY_CODE if headline else TARGET_VS_CLOUD
+    met = d / c >= need and (vs_best is None or vs_best >= TARGET_VS_BEST_K)
+    step = step_ms(records, t)
+    vs_llama = f"{d / llama_tok_s:.2f}" if llama_tok_s else "–"
+    head = f"| {condition(rtt, link)} | {t:g} | {client} "
+    if not step:
+        return (
+            f"{head}| – | {d:.2f} | {c:.2f} | {vs_llama} | – | {d / c:.2f} "
             f"| – | – | {'met' if met else 'MISSED'} |"
         )
-    return lines
+    per_run = _per_run(default, fixed.get(best_k, []))
+    return (
+        f"{head}| {rtt / step:.2f} | {d:.2f} | {c:.2f} | {vs_llama} "
+        f"| {'–' if best is None else f'k={best_k} ({best:.2f})'} | {d / c:.2f} "
+        f"| {'–' if vs_best is None else f'{vs_best:.2f}'} | {per_run} "
+        f"| {'met' if met else 'MISSED'} |"
+    )
 
 
 def _per_run(default: list[dict], best: list[dict]) -> str:
@@ -172,6 +205,37 @@ def warm_table(records: list[dict]) -> list[str]:
             f"| {condition(rtt, link)} | {t:g} | {a:.2f} | {w:.2f} | {w / a:.2f} "
             f"| {ttft[0]:.0f} / {ttft[1]:.0f} | {led}/{len(warm)} |"
         )
+    return lines
+
+
+def after_rejection_table(records: list[dict]) -> list[str]:
+    """Per split mode and condition: target passes right after a pass that corrected a draft,
+    and how many of them verified no draft (GenerationStats.draftless_after_rejection): the
+    steps a cloud-led target spends before the edge's drafts after the correction reach it."""
+    rows = [r for r in records if r.get("passes_after_rejection")]
+    if not rows:
+        return []
+    lines = [
+        "## Passes right after a correction (cloud-led steps; auto once it led)",
+        "",
+        "A draftless pass verifies nothing: the edge's drafts after the correction had not"
+        " reached the cloud yet. The cloud waits for them up to half a step where they are"
+        " measured to come sooner (cloud/gateway/cloud_led.py).",
+        "",
+        "| condition | T | mode | passes after a correction | draftless | share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (link, rtt, t), modes in cells(rows):
+        for mode in SPLIT:
+            group = modes.get(mode, [])
+            passes = sum(r["passes_after_rejection"] for r in group)
+            if not passes:
+                continue
+            draftless = sum(r.get("draftless_after_rejection", 0) for r in group)
+            lines.append(
+                f"| {condition(rtt, link)} | {t:g} | {mode} | {passes} | {draftless} "
+                f"| {draftless / passes:.2f} |"
+            )
     return lines
 
 

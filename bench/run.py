@@ -29,6 +29,7 @@ from bench.proxy import DelayProxy
 from bench.stamp import stamp
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.mode_switch import Link
 from specsplit.edge.models import DEFAULT_PRECISION, PRECISIONS
 from specsplit.shared.sampling import SamplingConfig
@@ -41,14 +42,16 @@ LTE = {"rtt_ms": 50.0, "jitter_ms": 10.0, "up_bps": 5e6, "down_bps": 20e6}  # a 
 SPLIT_MODES = ("lock-step", "lock-step-adaptive", "cloud-led", "auto", "auto-warm")
 # The client's session mode per bench mode (lock-step for the rest); these run as with no seed.
 SESSION_MODE = {"cloud-led": "cloud-led", "auto": "auto", "auto-warm": "auto"}
+MODES = ("edge-only", "cloud-only", *SPLIT_MODES)
 
 
 @dataclass(frozen=True)
 class Config:
     # cloud-only, edge-only, lock-step (fixed k), lock-step-adaptive / cloud-led / auto (k <= k;
     # auto: the default session mode, lock-step until it measures cloud-led to be faster) /
-    # auto-warm (auto on a new client given the link its cell's last auto run measured:
-    # SplitClient(link=...), what an app gets from its second generation on)
+    # auto-warm (auto on a new client given the link its cell's last auto run measured, saved
+    # to and read back from a link-memory file (edge.link_memory): what the CLI's next process
+    # or an app's second generation gets; auto is the cold client, no link in memory)
     mode: str
     k: int  # 0 for cloud-only / edge-only; the fixed k, or the adaptive modes' maximum
     temperature: float
@@ -76,6 +79,7 @@ class BenchPlan:
     # Greedy generations per prompt and config: the same output, timed again (one 32-token run
     # on this shared machine carries 10-20% timing noise).
     repeats: int = 1
+    modes: tuple[str, ...] | None = None  # None: every mode (MODES)
 
     def samples_of(self, cfg: Config) -> int:
         return self.samples if cfg.temperature > 0 else self.repeats
@@ -107,6 +111,20 @@ class BenchPlan:
         rtts = tuple(r for r in self.rtts_ms if r in conditions)
         return replace(self, rtts_ms=rtts, lte="lte" in conditions)
 
+    def modes_only(self, modes: Sequence[str]) -> BenchPlan:
+        """This plan cut to some modes (``--mode``): those rows of every cell, nothing else."""
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise SystemExit(f"--mode {unknown}: not one of {MODES}")
+        return replace(self, modes=tuple(modes))
+
+    def at(self, temperatures: Sequence[float]) -> BenchPlan:
+        """This plan cut to some temperatures (``--temperature``): one short cell to check."""
+        unknown = [t for t in temperatures if t not in self.temperatures]
+        if unknown:
+            raise SystemExit(f"--temperature {unknown}: not in this plan's temperatures")
+        return replace(self, temperatures=tuple(t for t in self.temperatures if t in temperatures))
+
     def configs(self) -> list[Config]:
         """Condition-major, so a run stopped early still covers every temperature at the low
         RTTs; every mode runs in the same minutes as the others of its condition."""
@@ -120,7 +138,7 @@ class BenchPlan:
                 out.append(Config("cloud-led", self.k_max, t, rtt, link))
                 out.append(Config("auto", self.k_max, t, rtt, link))
                 out.append(Config("auto-warm", self.k_max, t, rtt, link))
-        return out
+        return [c for c in out if self.modes is None or c.mode in self.modes]
 
 
 def condition(text: str) -> float | str:
@@ -220,15 +238,16 @@ def run_meta(
     }
 
 
-async def run_all(plan: BenchPlan, address: str, drafter, codec, raw: Path, done: set) -> None:
+async def run_all(
+    plan: BenchPlan, address: str, drafter, codec, raw: Path, done: set, links_file: Path
+) -> None:
+    """Runs what ``done`` lacks of ``plan``, appending to ``raw``; ``links_file``: the link
+    memory (edge.link_memory) auto runs save to and auto-warm runs read, per cell."""
     gateway_port = int(address.rsplit(":", 1)[1])
     encoded = {p["id"]: codec.chat_prompt(p["prompt"]) for p in plan.prompts}
     await generate(
         address, drafter, encoded[plan.prompts[0]["id"]], Config("lock-step", 4, 0, 0), 8, 0
     )
-    # The link each cell's latest auto (or auto-warm) run measured, per prompt: auto-warm runs
-    # right after auto in the schedule, on a new client given it.
-    links: dict[tuple, Link | None] = {}
     todo = [
         (c, p, j)
         for c, j in plan.schedule()
@@ -251,13 +270,16 @@ async def run_all(plan: BenchPlan, address: str, drafter, codec, raw: Path, done
             async with DelayProxy(gateway_port, **link) as proxy:
                 # RTT 0 goes direct: no proxy hop in the loopback baseline
                 via = f"127.0.0.1:{proxy.port}" if cfg.rtt_ms > 0 else address
-                cell = (cfg.rtt_ms, cfg.link, cfg.temperature, prompt["id"])
-                known = links.get(cell) if cfg.mode == "auto-warm" else None
+                # The link each cell's latest auto (or auto-warm) run measured, per prompt,
+                # named by the cell (each run has its own proxy port): auto-warm runs right
+                # after auto in the schedule, on a new client given what the file holds.
+                cell = f"{cfg.rtt_ms:g}/{cfg.link}/{cfg.temperature:g}/{prompt['id']}"
+                known = load_link(cell, links_file) if cfg.mode == "auto-warm" else None
                 gen, measured = await generate(
                     via, drafter, ids, cfg, plan.max_new_tokens, seed, known
                 )
-                if cfg.mode in ("auto", "auto-warm"):
-                    links[cell] = measured
+                if cfg.mode in ("auto", "auto-warm") and measured is not None:
+                    save_link(cell, measured, links_file)
             out.write(json.dumps(record(cfg, prompt, j, gen)) + "\n")
             out.flush()
             progress.advance(task)
@@ -286,6 +308,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MS|lte",
         help="only this condition (repeatable): rerun some cells into their own report",
     )
+    p.add_argument(
+        "--temperature",
+        action="append",
+        type=float,
+        metavar="T",
+        help="only this temperature (repeatable): with --quick and --rtt, one short cell",
+    )
+    p.add_argument(
+        "--mode",
+        action="append",
+        metavar="MODE",
+        help=f"only this mode (repeatable; {', '.join(MODES)}): auto-warm needs auto before it",
+    )
     args = p.parse_args(argv)
     interrupt_on_sigterm()
 
@@ -299,11 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args.quick, args.max_new_tokens)
     if args.rtt:
         plan = plan.only(args.rtt)
+    if args.temperature:
+        plan = plan.at(args.temperature)
+    if args.mode:
+        plan = plan.modes_only(args.mode)
     name = "benchmarks-quick" if args.quick else "benchmarks"
     if args.target_dtype != "auto":
         name += f"-{args.target_dtype}"
     if args.rtt:  # never over the full report
         name += "-rtt" + "-".join(str(c) if c == "lte" else f"{c:g}" for c in args.rtt)
+    if args.temperature:
+        name += "-t" + "-".join(f"{t:g}" for t in args.temperature)
+    if args.mode:
+        name += "-" + "-".join(args.mode)
     raw = args.out / f"{name}-raw.jsonl"
     meta_path = args.out / f"{name}-meta.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -342,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             cloud.start()
         try:
             drafter = OnnxDrafter(draft_dir, threads=len(edge_cores))
-            asyncio.run(run_all(plan, cloud.address, drafter, TextCodec(draft_dir), raw, done))
+            codec, links_file = TextCodec(draft_dir), Path(logs) / "links.json"
+            asyncio.run(run_all(plan, cloud.address, drafter, codec, raw, done, links_file))
         except KeyboardInterrupt:
             interrupted = True  # keep what was measured; report it below
             console.print("[yellow]interrupted: reporting the generations finished so far")

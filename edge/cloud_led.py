@@ -17,7 +17,8 @@ token drafted twice after the same prefix is the same token (a speculation rebui
 equals the one drafted before it), and where the cloud draws a position itself, with no Draft
 there, it often draws the token the speculation holds, which keeps the speculation after it
 alive at T > 0.
-Drafting pauses when it does not pay (almost nothing accepted); the cloud streams on regardless.
+Drafting pauses when it does not pay (almost nothing accepted, or every Draft dropped as stale:
+the round trip is more steps than the speculation reaches); the cloud streams on regardless.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from specsplit.shared.protocol import pb, sparse_to_pb
 
 PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
 PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
+# Drafts the cloud dropped as stale, none verified, after which drafting pauses as well: the
+# round trip is more target steps than the speculation reaches ahead, and every Draft costs the
+# cloud's core a decode and a check for nothing (at RTT 500 ms on the 2-core CPU the target's
+# pass took 11-16% longer with them than without).
+PAUSE_STALE = 8
 SENT_KEPT = 64  # Drafts remembered to read Verdicts against
 
 
@@ -73,6 +79,9 @@ class Handover:
     block: Block  # its drafts, sent from the committed prefix
     remaining: int  # tokens to go when it was sent
     acceptance: DraftLength  # what the lock-step rounds measured, per position
+    # The cloud's first cloud-led Verdict, when the cloud took the lead itself (Verdict.led),
+    # read by the lock-step loop: the first the cloud-led rounds commit.
+    led: pb.Verdict | None = None
 
 
 class _Reach:
@@ -126,10 +135,16 @@ async def cloud_led_rounds(
         lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
         reach = _Reach(k_max, limit, *lead)
     verdicts: asyncio.Queue = asyncio.Queue()
-    receiver = asyncio.create_task(_receive(stream, verdicts))
+    led = handover.led if handover is not None else None
+    if led is not None:
+        verdicts.put_nowait(led)
+    over = led is not None and led.finished  # the final Verdict, read already: none to receive
+    receiver = asyncio.create_task(asyncio.sleep(0) if over else _receive(stream, verdicts))
     spec = _Speculation(handover.block if handover else None, len(stream.committed))
     drafts = _Drafts(stream, started, handover)
     paused, hint = 0, k_max
+    after_rejection = False  # the previous Verdict corrected a draft
+    stale_from = 0  # Verdict.drafts_dropped when drafting last (re)started
     remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
     worker: Worker | None = None
@@ -162,6 +177,12 @@ async def cloud_led_rounds(
                 now = time.perf_counter()
                 chunk, offset = drafts.apply(v)
                 step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
+                # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
+                stats.cloud_took_lead |= v.led
+                if after_rejection:
+                    stats.passes_after_rejection += 1
+                    stats.draftless_after_rejection += step.drafted == 0
+                after_rejection = v.has_token and step.accepted < step.drafted
                 if reach is not None:
                     reach.observe(offset, step.drafted, step.accepted)
                 t_prev = now
@@ -170,7 +191,9 @@ async def cloud_led_rounds(
                 if v.HasField("max_draft_tokens_hint") and plan.follow_hint:
                     hint = v.max_draft_tokens_hint
                     stats.block_hint.append(hint)
-                paused = _pause(stats, paused)
+                before, paused = paused, _pause(stats, paused, v.drafts_dropped - stale_from)
+                if before and not paused:  # drafting resumes: stale Drafts count afresh
+                    stale_from = v.drafts_dropped
                 yield chunk
                 if v.finished:
                     return
@@ -244,11 +267,15 @@ class _Drafts:
         return chunk, offset
 
 
-def _pause(stats, paused: int) -> int:
+def _pause(stats, paused: int, dropped: int) -> int:
+    """Verdicts to go without drafting; ``dropped``: Drafts the cloud dropped as stale since
+    drafting last (re)started."""
     if paused < 0:  # the stream can no longer take Drafts
         return paused
     if paused:
         return paused - 1
     if stats.drafted >= 4 * PAUSE_VERDICTS and stats.acceptance_rate < PAUSE_BELOW:
+        return PAUSE_VERDICTS
+    if stats.drafted == 0 and dropped >= PAUSE_STALE:  # every Draft came too late
         return PAUSE_VERDICTS
     return 0

@@ -110,6 +110,11 @@ class GenerationStats:
     # auto: Start asked for cloud-led, as the client's previous Started measured a round trip of
     # LEAD_AT_START target steps (edge.mode_switch)
     led_at_start: bool = False
+    cloud_took_lead: bool = False  # auto: the cloud switched to cloud-led itself (Verdict.led)
+    # cloud-led: target passes right after a pass that rejected a draft, and of them those that
+    # verified no draft (the edge's drafts after the correction had not reached the cloud)
+    passes_after_rejection: int = 0
+    draftless_after_rejection: int = 0
     start_rtt_ms: float | None = None  # Start to Started, minus the server's part of it
     finish: str = ""
     seed: int | None = None  # the seed in force (the server's pick when none was given)

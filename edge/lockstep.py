@@ -8,6 +8,9 @@ the verdict matches (docs/design.md#performance). k is chosen per round by
 also measure whether cloud-led would be faster (``edge.mode_switch``); once it would, the next
 Draft carries ``lead`` and the stream goes on as cloud-led rounds at once, that Draft the first
 of their speculation (the cloud starts stepping without waiting as soon as it reads it).
+The cloud may take that lead itself when the first Draft is late (Start.follows_lead, which
+edge.rounds sets for such a plan): its first Verdict then says so (Verdict.led), is a cloud-led
+step's, and the stream goes on as cloud-led rounds from it, the Draft sent one of their Drafts.
 """
 
 from __future__ import annotations
@@ -76,6 +79,13 @@ async def lockstep_rounds(
             seq = [*stream.committed, *block.tokens]
             ahead = Worker(draft_ahead, proposer, seq, k_next, rule)
         v, t2, first = await _verdict(stream, k, ahead)
+        if v.led:  # the cloud leads: v is a cloud-led step's, the block one of its Drafts
+            stats.lead_round, stats.cloud_took_lead = round_no, True
+            lengths = switch.lengths if switch is not None else DraftLength(k_max)
+            handover = Handover(round_no, block, remaining, lengths, v)
+            async for chunk in cloud_led_rounds(stream, proposer, rule, plan, started, handover):
+                yield chunk
+            return
         chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
         stream.committed += chunk
         remaining -= len(chunk)
@@ -111,7 +121,7 @@ async def _verdict(stream: Stream, k: int, ahead: Worker | None):
     try:
         v = await stream.recv("verdict")
         t2 = time.perf_counter()
-        if ahead is None:
+        if ahead is None or v.led:  # a cloud-led step's Verdict: not this block's
             return v, t2, None
         guess, next_block = await ahead.result()
         waited_ms = (time.perf_counter() - t2) * 1e3

@@ -31,7 +31,8 @@ async def run_rounds(
     rule = None
     early = None
     drafts = proposer is not None and plan.mode is not SessionMode.CLOUD_ONLY
-    await stream.start(plan.mode, proposer.tokenizer_fingerprint if drafts else None)
+    fingerprint = proposer.tokenizer_fingerprint if drafts else None
+    await stream.start(plan.mode, fingerprint, plan.follows_lead)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
     # sampled draft needs the seed first, which Started brings when the request sent none.
     if plan.mode is SessionMode.LOCK_STEP and (stream.seed is not None or cfg.sampling.greedy):

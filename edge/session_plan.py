@@ -60,6 +60,12 @@ class SessionPlan:
             draft_ahead=cfg.draft_ahead,
         )
 
+    @property
+    def follows_lead(self) -> bool:
+        """Start.follows_lead: lock-step rounds that may hand over also follow a handover the
+        cloud starts (Verdict.led) when their first Draft is late."""
+        return self.may_lead and self.mode is SessionMode.LOCK_STEP
+
     def settled(self, started: pb.Started, rtt_ms: float | None) -> SessionPlan:
         """The plan as ``started`` settles it; ``rtt_ms``: Start's round trip."""
         mode = self._mode_run(started)

@@ -105,9 +105,12 @@ class Stream:
             raise SpecsplitError(None, f"expected {kind}, got {msg.WhichOneof('msg')}")
         return getattr(msg, kind)
 
-    async def start(self, mode: SessionMode, draft_tokenizer: str | None = None) -> None:
+    async def start(
+        self, mode: SessionMode, draft_tokenizer: str | None = None, follows_lead: bool = False
+    ) -> None:
         """Opens the call and sends Start, asking for session mode ``mode``; a drafting client
-        names its draft's tokenizer (the cloud refuses a pair that does not share one)."""
+        names its draft's tokenizer (the cloud refuses a pair that does not share one), and one
+        whose lock-step rounds can go on cloud-led says it follows the cloud's lead."""
         cfg = self.cfg
         self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
@@ -117,6 +120,7 @@ class Stream:
             sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
             verification=MODE_TO_PB.get(cfg.verification, 0),
             draft_tokenizer=draft_tokenizer or "",
+            follows_lead=follows_lead,
             **session_mode_fields(mode),
         )
         self._t_start = time.perf_counter()

@@ -48,8 +48,12 @@ def port_of(cloud) -> int:
 @pytest.fixture
 def lead_at_round_2(monkeypatch):
     """Session mode auto hands over to cloud-led with its second Draft, whatever its
-    measurements say (and despite follow_hint False, which alone keeps auto lock-step)."""
+    measurements say (and despite follow_hint False, which alone keeps auto lock-step); the
+    cloud never leads first (the tiny target's steps are shorter than any first Draft takes)."""
     from specsplit.edge.mode_switch import LeadChoice
+    from specsplit.edge.session_plan import SessionPlan
+
+    monkeypatch.setattr(SessionPlan, "follows_lead", property(lambda plan: False))
 
     auto = property(lambda cfg: cfg.session_mode == "auto")
     monkeypatch.setattr(GenerationConfig, "may_lead", auto)
@@ -103,7 +107,9 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     cloud, tiny, target_greedy
 ):
     """Unforced: the tiny target's step is a few ms, so a 150 ms link is dozens of steps; the
-    client's next generation then starts cloud-led.
+    client's next generation then starts cloud-led. The lead Draft reaches the cloud 75 ms
+    after Started, and the cloud, which would leave the target idle for dozens of steps, has
+    led itself by then (Verdict.led): the target never waited for the link.
     (follow_hint: the default; the tiny target's hint of k = 0 then empties later blocks, but
     the first is drafted before any hint.)"""
     drafter = OnnxDrafter(tiny.target_onnx)
@@ -122,7 +128,7 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
 
     gen, again = asyncio.run(twice())
     assert gen.token_ids == target_greedy[tuple(prompt)]
-    assert gen.stats.lead_round == 1 and gen.stats.accepted > 0, gen.stats.summary()
+    assert gen.stats.lead_round == 1 and gen.stats.cloud_took_lead, gen.stats.summary()
     assert not gen.stats.led_at_start
     # The next generation starts cloud-led (Start.cloud_led): no lock-step round at all.
     assert again.token_ids == target_greedy[tuple(prompt)]
@@ -229,3 +235,72 @@ def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
     kinds, code = asyncio.run(call())
     assert kinds[0] == "started" and kinds[-1] == "finished", kinds
     assert code == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
+    cloud, tiny, target_greedy, monkeypatch, draft
+):
+    """The edge never leads here (its choice is forced off), and its first Draft comes 75 ms
+    after Started (a 150 ms link): dozens of the tiny target's steps, past the cloud's bound
+    (Started.lead_after_ms). The cloud leads itself (Verdict.led), the edge goes on cloud-led
+    from that Verdict, and no token is lost or doubled: greedy output equals cloud-only's."""
+    from specsplit.edge.mode_switch import LeadChoice
+
+    auto = property(lambda cfg: cfg.session_mode == "auto")  # despite follow_hint False
+    monkeypatch.setattr(GenerationConfig, "may_lead", auto)
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: False)
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
+    drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
+    port = port_of(cloud)
+    asyncio.run(_generate(port, 0, drafter, PROMPTS[0], "lock-step"))  # a step measured
+
+    async def cloud_only(prompt):
+        async with SplitClient(cloud.address, None) as client:
+            gen = client.generate(prompt, GenerationConfig(max_new_tokens=N_NEW), mode="cloud-only")
+            return await gen.collect()
+
+    for prompt in PROMPTS:
+        want = asyncio.run(cloud_only(prompt))
+        assert want == target_greedy[tuple(prompt)]
+        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", draft_tokens=4))
+        s = gen.stats
+        assert gen.token_ids == want, (prompt, draft)
+        assert s.cloud_took_lead and s.lead_round == 1, s.summary()
+        assert s.target_forward_passes == s.rounds
+        assert s.new_tokens == s.accepted + s.rounds
+
+
+@pytest.mark.parametrize("verification", [VerificationMode.TOKEN_ONLY, VerificationMode.REJECTION])
+def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
+    cloud, tiny, monkeypatch, verification
+):
+    """Sampled, the cloud's lead is as lossless: in token-only mode every token is the cloud's
+    draw with the session's shared numbers, so the output is cloud-only's for the seed, token
+    for token; in rejection mode the lock-step block (drafted with its q) becomes a cloud-led
+    Draft, and the generation completes (its exactness is the pool's chi-square test in
+    tests/cloud/gateway/test_cloud_led_distribution.py: the pool is the same)."""
+    from specsplit.edge.mode_switch import LeadChoice
+
+    auto = property(lambda cfg: cfg.session_mode == "auto")
+    monkeypatch.setattr(GenerationConfig, "may_lead", auto)
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: False)
+    monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
+    drafter = OnnxDrafter(tiny.target_onnx)
+    port = port_of(cloud)
+    asyncio.run(_generate(port, 0, drafter, PROMPTS[0], "lock-step"))  # a step measured
+    sampling = SamplingConfig(temperature=0.9)
+
+    async def cloud_only(prompt):
+        async with SplitClient(cloud.address, None) as client:
+            cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=5)
+            return await client.generate(prompt, cfg, mode="cloud-only").collect()
+
+    cfg = dict(sampling=sampling, verification=verification, seed=5, draft_tokens=4)
+    for prompt in PROMPTS:
+        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", **cfg))
+        s = gen.stats
+        assert s.cloud_took_lead and s.lead_round == 1, s.summary()
+        assert len(gen.token_ids) == N_NEW and s.new_tokens == s.accepted + s.rounds
+        if verification is VerificationMode.TOKEN_ONLY:
+            assert gen.token_ids == asyncio.run(cloud_only(prompt)), prompt

@@ -22,6 +22,17 @@ for that position with. Those numbers feed no accept test, and the history befor
 does not depend on them, so each such draw is still exactly p; but it often equals the edge's
 token there, so the edge's Drafts after it stay consistent at T > 0 (with independent numbers
 they agreed with probability sum p*q, below one half on prose at T = 0.7).
+
+After a step that rejected a draft, every Draft in the pool continues the rejected token, so the
+next step would verify nothing (a draftless pass) until the edge has heard of the correction and
+sent drafts after it, a round trip plus a draft token later. ``_Due`` measures that delay per
+session (from the rejecting Verdict to the first Draft consistent with it); where it is due
+within WAIT_SHARE of a one-row step (Started.step_ms), the next step waits for it, at most
+WAIT_SHARE of a step after the rejection: a step that verifies the edge's drafts then replaces a
+draftless one that would have made one token in a whole step. Farther than that (a long link),
+the cloud steps on without waiting, as before: never slower than cloud-only. The wait depends
+only on timing, never on the numbers a step draws, so the output is unchanged (lossless as
+above).
 """
 
 from __future__ import annotations
@@ -40,6 +51,10 @@ from specsplit.shared.protocol import pb
 from specsplit.shared.sampling import SparseDist
 
 POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
+# Wait for a Draft after a rejection only when it is due within this share of a one-row step:
+# waiting w and verifying it beats a draftless step (one token per step) for w well below a
+# step; at half a step a wait never costs more than the step it saves would.
+WAIT_SHARE = 0.5
 
 
 def reads_per_step(max_draft_tokens: int) -> int:
@@ -101,6 +116,10 @@ class DraftPool:
     def _drop(self, draft: PendingDraft) -> None:
         self.dropped += not draft.used
 
+    def consistent(self, committed: list[int]) -> bool:
+        """Some Draft held here has tokens to verify after ``committed``."""
+        return any(d.offset(committed) is not None for d in self.drafts)
+
     def take(self, committed: list[int], limit: int) -> tuple[PendingDraft | None, list, list]:
         """The freshest consistent Draft and its next ``limit`` tokens (and q) after
         committed_len; stale Drafts leave the pool."""
@@ -121,11 +140,49 @@ class DraftPool:
         return best, tokens, [] if best.q is None else best.q[off : off + limit]
 
 
+class _Due:
+    """When a Draft consistent with a step's correction arrives after the rejecting Verdict:
+    the latest delay (ms, an EMA over rejections) and whether one is awaited now."""
+
+    def __init__(self) -> None:
+        self.ms: float | None = None
+        self.since: float | None = None  # the rejecting Verdict, while none arrived yet
+        self.arrived = asyncio.Event()
+
+    def rejected(self, now: float) -> None:
+        self.since = now
+        self.arrived.clear()
+
+    def observe(self, pool: DraftPool, committed: list[int], now: float) -> None:
+        """After the reader added a Draft: is one consistent with the correction here now?"""
+        if self.since is None or not pool.consistent(committed):
+            return
+        ms = (now - self.since) * 1e3
+        self.ms = ms if self.ms is None else 0.7 * self.ms + 0.3 * ms
+        self.since = None
+        self.arrived.set()
+
+    def wait_s(self, step_ms: float, now: float) -> float:
+        """How long the next step waits for a consistent Draft: 0 unless one is awaited and,
+        as measured, due within WAIT_SHARE of a step."""
+        if self.since is None or self.ms is None or step_ms <= 0:
+            return 0.0
+        if self.ms > WAIT_SHARE * step_ms:
+            return 0.0
+        return max(0.0, self.since + WAIT_SHARE * step_ms / 1e3 - now)
+
+
 async def cloud_led_rounds(
-    step: Round, messages, first: PendingDraft | None = None
+    step: Round,
+    messages,
+    first: PendingDraft | None = None,
+    reading: asyncio.Future | None = None,
 ) -> AsyncIterator[pb.Verdict]:
     """Verdicts of a cloud-led session, one per target step, until generation ends; ``first``:
-    the Draft.lead that switched a lock-step session, verified by the first step."""
+    the Draft.lead that switched a lock-step session, verified by the first step; ``reading``:
+    the read of a lock-step session's first Draft, still under way when the server took the
+    lead itself (cloud.gateway.lockstep; Verdict.led): the reader's first read, and a lead
+    Draft sent before the client heard of the switch is read as an ordinary one."""
     session = step.session
     pool = DraftPool()
     if first is not None:
@@ -136,9 +193,19 @@ async def cloud_led_rounds(
     credit = [budget]  # Drafts the reader may still read before the next step
     stepped = asyncio.Event()
 
+    async def next_read():
+        nonlocal reading
+        if reading is None:
+            return await next_draft(messages, None)
+        pending, reading = reading, None
+        return await pending
+
+    took_lead = reading is not None
+    due = _Due()
+
     async def read() -> None:
         try:  # no idle timeout: the edge may stop drafting while the cloud streams on
-            while (d := await next_draft(messages, None)) is not None:
+            while (d := await next_read()) is not None:
                 credit[0] -= 1
                 if credit[0] <= 0:
                     stepped.clear()
@@ -147,13 +214,14 @@ async def cloud_led_rounds(
                     break
                 if session.finish is not Finish.NONE:
                     continue  # sent before the client heard the final verdict: not an error
-                if d.lead:
+                if d.lead and not took_lead:
                     raise ProtocolError(
                         Code.INVALID_ARGUMENT, "Draft.lead is only valid in a lock-step session"
                     )
                 q = step.check(d, exact_base=False)
                 draft = PendingDraft(d.round, d.base_len, list(d.tokens), q)
                 pool.add(draft, d.continues, session.committed_len)
+                due.observe(pool, session.committed, time.perf_counter())
             else:
                 return  # a half-close: the client only listens from now on
         except ProtocolError as e:
@@ -169,8 +237,13 @@ async def cloud_led_rounds(
                     raise refused[0]
                 session.finish = Finish.CANCELLED
                 break
-            t0 = time.perf_counter()
             draft, tokens, q = pool.take(session.committed, limit)
+            wait_s = due.wait_s(step.steps.ms, time.perf_counter()) if draft is None else 0.0
+            if wait_s > 0:  # a Draft after the correction is due sooner than the step
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(due.arrived.wait(), wait_s)
+                draft, tokens, q = pool.take(session.committed, limit)
+            t0 = time.perf_counter()
             round_no = draft.round if draft is not None else 0  # a continuation may come in
             verdict = await step.verify(tokens, q, t0)
             credit[0] = budget
@@ -178,6 +251,8 @@ async def cloud_led_rounds(
             verdict.round = round_no
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
+            if verdict.has_token and verdict.accepted < len(tokens):  # a correction
+                due.rejected(time.perf_counter())
             yield verdict  # its hint caps the edge's speculation; the edge obeys it there
     except BaseException:
         reader.cancel()

@@ -38,7 +38,7 @@ from specsplit.cloud.gateway.health import update_health, watch_health
 from specsplit.cloud.gateway.identity import ModelIdentity
 from specsplit.cloud.gateway.lease import Lease
 from specsplit.cloud.gateway.limits import GatewayLimits
-from specsplit.cloud.gateway.lockstep import lockstep_rounds
+from specsplit.cloud.gateway.lockstep import lead_after_ms, lockstep_rounds
 from specsplit.cloud.gateway.messages import (
     before_refusing,
     decode_client_message,
@@ -151,12 +151,13 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                         session.prompt, session.sampling, session.mode, session.seed, mode.drafts
                     )
                     self._observe_target(lease)
-                started = self._started(session, mode, t_start)
+                started = self._started(session, mode, t_start, first.start.follows_lead)
                 with self._sending(ticket):
                     yield pb.ServerMessage(started=started)
                 reserve = lambda n: self._reserve(ticket, lease, n)  # noqa: E731
                 step = Round(session, lease, self.steps, ticket.working, reserve)
-                async for verdict in self._rounds(mode, step, messages):
+                lead_after_s = started.lead_after_ms / 1e3
+                async for verdict in self._rounds(mode, step, messages, lead_after_s):
                     with self._sending(ticket):
                         yield pb.ServerMessage(verdict=verdict)
                 with self._sending(ticket):
@@ -195,12 +196,14 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
-    def _rounds(self, mode: SessionMode, step: Round, messages) -> AsyncIterator[pb.Verdict]:
+    def _rounds(
+        self, mode: SessionMode, step: Round, messages, lead_after_s: float
+    ) -> AsyncIterator[pb.Verdict]:
         if mode is SessionMode.CLOUD_ONLY:
             return cloud_only_rounds(step, messages)
         if mode is SessionMode.CLOUD_LED:
             return cloud_led_rounds(step, messages)
-        return lockstep_rounds(step, messages, self.limits.idle_timeout_s)
+        return lockstep_rounds(step, messages, self.limits.idle_timeout_s, lead_after_s)
 
     @contextlib.contextmanager
     def _sending(self, ticket: Ticket) -> Iterator[None]:
@@ -261,8 +264,11 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         task.add_done_callback(self._closing.discard)
         task.add_done_callback(lambda _: ticket.free())
 
-    def _started(self, session: GatewaySession, mode: SessionMode, t_start: float) -> pb.Started:
+    def _started(
+        self, session: GatewaySession, mode: SessionMode, t_start: float, follows_lead: bool
+    ) -> pb.Started:
         lim = self.model.limits
+        step_ms = self.steps.ms
         return pb.Started(
             session_id=uuid.uuid4().hex,
             model=self.model.to_pb(),
@@ -280,7 +286,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             cloud_led=mode is SessionMode.CLOUD_LED,
             session_mode=SESSION_MODE_TO_PB[mode],
             accepts_lead=True,
-            step_ms=self.steps.ms,
+            step_ms=step_ms,
+            lead_after_ms=lead_after_ms(follows_lead, mode, step_ms),
             setup_ms=(time.perf_counter() - t_start) * 1e3,
         )
 

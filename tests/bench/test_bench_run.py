@@ -32,7 +32,8 @@ def bench_run(cloud, tiny, tmp_path_factory):
     plan = BenchPlan((2,), 4, (0.0, 0.7), (0.0,), True, PROMPTS, 6)
     raw = out / "benchmarks-raw.jsonl"
     drafter = OnnxDrafter(tiny.draft_onnx)
-    asyncio.run(run_all(plan, cloud.address, drafter, ByteIds(), raw, set()))
+    links = out / "links.json"
+    asyncio.run(run_all(plan, cloud.address, drafter, ByteIds(), raw, set(), links))
     meta = run_meta(plan, tiny.target, tiny.draft_onnx, "fp32", "auto", {0}, {1}) | {"wall_s": 1.0}
     (out / "benchmarks-meta.json").write_text(json.dumps(meta))
     return plan, raw, drafter, out
@@ -77,7 +78,21 @@ def test_report_covers_both_classes_and_the_lte_link(bench_run):
     )
     for cls in ("code", "prose"):
         assert f"the best fixed k, {cls} prompts" in page
-    assert "| LTE (50 ± 10 ms, 5 / 20 Mbit/s) | 0.7 |" in page
+    assert "| LTE (50 ± 10 ms, 5 / 20 Mbit/s) | 0.7 | cold |" in page
+    assert "| LTE (50 ± 10 ms, 5 / 20 Mbit/s) | 0.7 | warm |" in page
+
+
+def test_warm_clients_read_their_link_from_a_link_memory_file(bench_run):
+    """auto saves the link it measured per cell (edge.link_memory's file, as the CLI's processes
+    do); auto-warm is a new client given what that file holds."""
+    from specsplit.edge.link_memory import load_link
+
+    _, _, _, out = bench_run
+    links = out / "links.json"
+    for prompt in PROMPTS:
+        for cell in ("0//0", "50/lte/0.7"):
+            link = load_link(f"{cell}/{prompt['id']}", links)
+            assert link is not None and link.step_ms > 0, (cell, prompt["id"])
 
 
 def test_resume_runs_nothing_twice(bench_run, cloud):
@@ -88,7 +103,8 @@ def test_resume_runs_nothing_twice(bench_run, cloud):
     resumed = raw.with_name("resumed-raw.jsonl")
     resumed.write_text("".join(json.dumps(r) + "\n" for r in keep))
     done = {(r["key"], r["prompt_id"], r["sample"]) for r in keep}
-    asyncio.run(run_all(plan, cloud.address, drafter, ByteIds(), resumed, done))
+    links = raw.with_name("resumed-links.json")
+    asyncio.run(run_all(plan, cloud.address, drafter, ByteIds(), resumed, done, links))
     records = [json.loads(line) for line in resumed.read_text().splitlines()]
     assert len(records) == plan.planned
     assert len({(r["key"], r["prompt_id"], r["sample"]) for r in records}) == plan.planned

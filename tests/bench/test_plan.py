@@ -56,3 +56,23 @@ def test_a_plan_cut_to_some_conditions_keeps_only_theirs():
     assert cut.samples == full.samples and cut.prompts == full.prompts
     with pytest.raises(SystemExit, match="not in this plan"):
         full.only([150.0])
+
+
+def test_a_temperature_cut_keeps_every_mode_at_that_temperature():
+    """``--quick --rtt 200 --temperature 0``: one short cell, every mode."""
+    quick = make_plan(True, None)
+    cut = quick.at([0.0])
+    assert cut.temperatures == (0.0,)
+    assert {c.mode for c in cut.configs()} == {c.mode for c in quick.configs()}
+    with pytest.raises(SystemExit):
+        quick.at([0.3])
+
+
+def test_a_mode_cut_keeps_those_rows_of_every_cell():
+    """``--rtt 500 --temperature 0 --mode cloud-only --mode auto --mode auto-warm``."""
+    full = make_plan(False, None).only([500.0]).at([0.0])
+    cut = full.modes_only(["cloud-only", "auto", "auto-warm"])
+    assert [c.mode for c in cut.configs()] == ["cloud-only", "auto", "auto-warm"]
+    assert cut.planned == 3 * full.repeats * len(full.prompts)
+    with pytest.raises(SystemExit):
+        full.modes_only(["fast"])

@@ -207,3 +207,41 @@ def test_warm_table_puts_auto_warm_beside_auto_per_condition():
     assert warm_table([auto]) == []  # a run without the row
     lines = warm_table([auto, *warm])
     assert lines[-1] == "| 500 ms | 0 | 5.00 | 6.25 | 1.25 | 1500 / 700 | 1/2 |"
+
+
+def test_cold_and_warm_clients_have_their_own_rows_and_llama_cpp_its_column(tmp_path):
+    from bench.report_modes import llama_cpp_tok_s, targets
+
+    cloud = rec(mode="cloud-only", k=0, accepted=0, drafted=0, rounds=10, wall=4.0, link="")
+    fixed = rec(mode="lock-step", k=4, wall=2.0, link="")
+    cold = rec(mode="auto", k=8, wall=5.0, link="")  # 0.8x cloud-only
+    warm = rec(mode="auto-warm", k=8, wall=2.5, link="")  # 1.6x cloud-only
+    peers = tmp_path / "peers-raw.jsonl"
+    rows = [
+        {"row": "llama.cpp/target/t1", "class": "code", "new_tokens": 10, "wall_s": 2.0},
+        {"row": "llama.cpp/target/t1", "class": "code", "new_tokens": 10, "wall_s": 3.0},
+        {"row": "llama.cpp/target/t2", "class": "code", "new_tokens": 10, "wall_s": 1.0},
+    ]
+    peers.write_text("\n".join(json.dumps(r) for r in rows))
+    llama = llama_cpp_tok_s(peers)
+    assert llama == {"code": pytest.approx(4.0)}  # the one-core row only: 20 tokens in 5 s
+    assert llama_cpp_tok_s(tmp_path / "none.jsonl") == {}
+    lines = targets([cloud, fixed, cold, warm], "code", llama)
+    assert lines[-2].startswith("| 0 ms | 0 | cold | ") and "| 2.50 | 0.50 |" in lines[-2]
+    assert lines[-1].startswith("| 0 ms | 0 | warm | ") and "| 2.50 | 1.00 |" in lines[-1]
+    # cold 2 tok/s, warm 4 tok/s, cloud-only 2.5, llama.cpp 4: × llama.cpp 0.50 and 1.00
+    assert lines[-2].endswith("| MISSED |") and lines[-1].endswith("| MISSED |")
+    no_llama = targets([cloud, fixed, cold, warm], "code", {})
+    assert "| 2.50 | – |" in no_llama[-1]
+
+
+def test_draftless_passes_after_a_correction_per_mode_and_condition():
+    from bench.report_modes import after_rejection_table
+
+    assert after_rejection_table([rec(mode="lock-step", link="")]) == []
+    led = [
+        rec(mode="cloud-led", k=8, link="", passes_after_rejection=6, draftless_after_rejection=2),
+        rec(mode="cloud-led", k=8, link="", passes_after_rejection=4, draftless_after_rejection=1),
+    ]
+    lines = after_rejection_table([*led, rec(mode="lock-step", link="")])
+    assert lines[-1] == "| 0 ms | 0 | cloud-led | 10 | 3 | 0.30 |"

@@ -18,6 +18,7 @@ from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.generation import GenerationStats
 from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.onnx_drafter import OnnxDrafter
+from specsplit.edge.session_plan import SessionPlan
 from specsplit.shared.sampling import SamplingConfig
 from tests.cloud.gateway.test_metrics import samples, scrape, settled, value
 
@@ -136,6 +137,9 @@ def test_counters_equal_the_clients_stats_on_real_parts(
         # leading with the first Draft): the hand-over then comes mid-stream, from the rounds'
         # own measurements.
         monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda *_: False))
+        # Nor does the cloud lead first (Verdict.led): the tiny target's steps are shorter than
+        # the edge's first Draft takes.
+        monkeypatch.setattr(SessionPlan, "follows_lead", property(lambda plan: False))
     cfg = dict(max_new_tokens=21, **SESSION_CONFIGS[session], **SAMPLINGS[sampling])
     # The target as its own draft accepts most, the unrelated draft next to nothing (its
     # cloud-led Drafts mostly go stale); cloud-only has no draft. Counters are read around each
