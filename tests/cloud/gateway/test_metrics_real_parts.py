@@ -120,7 +120,7 @@ SAMPLINGS = {
 }
 
 
-ATTEMPTS = 5
+ATTEMPTS = 10  # failed 5 in a row once, with the machine under other load
 
 
 @pytest.mark.slow
