@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block, DraftRule
+from specsplit.edge.handover import Handover
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
@@ -69,19 +69,6 @@ class _Speculation:
             self.tokens, self.q = self.tokens[len(chunk) :], self.q[len(chunk) :]
         else:  # the cloud went elsewhere: everything drafted after the fork is useless
             self.tokens, self.q, self.sent_to = [], [], None
-
-
-@dataclass(frozen=True)
-class Handover:
-    """A lock-step stream's Draft.lead (edge.lockstep): cloud-led rounds go on from it."""
-
-    round: int  # the lead Draft's round
-    block: Block  # its drafts, sent from the committed prefix
-    remaining: int  # tokens to go when it was sent
-    acceptance: DraftLength  # what the lock-step rounds measured, per position
-    # The cloud's first cloud-led Verdict, when the cloud took the lead itself (Verdict.led),
-    # read by the lock-step loop: the first the cloud-led rounds commit.
-    led: pb.Verdict | None = None
 
 
 class _Reach:

@@ -6,11 +6,13 @@ is drafted for "all accepted, bonus = the draft's guess" (``Proposer.guess_next`
 the verdict matches (docs/design.md#performance). k is chosen per round by
 ``edge.adaptive.DraftLength`` unless the plan fixes it. In session mode ``auto`` the rounds
 also measure whether cloud-led would be faster (``edge.mode_switch``); once it would, the next
-Draft carries ``lead`` and the stream goes on as cloud-led rounds at once, that Draft the first
-of their speculation (the cloud starts stepping without waiting as soon as it reads it).
+Draft carries ``lead`` and the loop ends with a ``Handover`` (edge.handover): the dispatcher
+(edge.rounds) goes on with cloud-led rounds at once, that Draft the first of their speculation
+(the cloud starts stepping without waiting as soon as it reads it).
 The cloud may take that lead itself when the first Draft is late (Start.follows_lead, which
 edge.rounds sets for such a plan): its first Verdict then says so (Verdict.led), is a cloud-led
-step's, and the stream goes on as cloud-led rounds from it, the Draft sent one of their Drafts.
+step's, and the loop ends with a Handover that carries it: cloud-led rounds go on from it, the
+Draft sent one of their Drafts.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import time
 from collections.abc import AsyncIterator
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.cloud_led import Handover, cloud_led_rounds
 from specsplit.edge.drafting import Block, DraftRule
+from specsplit.edge.handover import Handover
 from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.proposer import Proposer, block_off_loop, draft_ahead
 from specsplit.edge.session_plan import SessionPlan
@@ -36,8 +38,9 @@ async def lockstep_rounds(
     plan: SessionPlan,
     started: pb.Started,
     first: tuple[Block, float] | None,
-) -> AsyncIterator[list[int]]:
-    """From Started; ``first``: the first block and its drafting time (ms), drafted early."""
+) -> AsyncIterator[list[int] | Handover]:
+    """Each round's committed chunk from Started, or, last, the Handover to cloud-led rounds;
+    ``first``: the first block and its drafting time (ms), drafted early."""
     stats = stream.stats
     k_max = min(plan.draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(k_max) if plan.adaptive else None
@@ -67,9 +70,7 @@ async def lockstep_rounds(
         await stream.send(_draft(started, round_no, base_len, block, lead))
         if lead:
             stats.lead_round = round_no
-            handover = Handover(round_no, block, remaining, switch.lengths)
-            async for chunk in cloud_led_rounds(stream, proposer, rule, plan, started, handover):
-                yield chunk
+            yield Handover(round_no, block, remaining, switch.lengths)
             return
         # The next block's size is chosen now, before the verdict, so it can be drafted ahead.
         planned = chooser.choose(hint) if chooser else k_max
@@ -82,9 +83,7 @@ async def lockstep_rounds(
         if v.led:  # the cloud leads: v is a cloud-led step's, the block one of its Drafts
             stats.lead_round, stats.cloud_took_lead = round_no, True
             lengths = switch.lengths if switch is not None else DraftLength(k_max)
-            handover = Handover(round_no, block, remaining, lengths, v)
-            async for chunk in cloud_led_rounds(stream, proposer, rule, plan, started, handover):
-                yield chunk
+            yield Handover(round_no, block, remaining, lengths, v)
             return
         chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
         stream.committed += chunk

@@ -3,17 +3,21 @@
 Start asks for the plan's mode; the first lock-step block is drafted while the cloud prefills;
 Started settles the plan (edge.session_plan) and brings the seed the draft rule needs; then the
 loop of the mode the server runs takes the stream: ``lockstep_rounds`` (edge.lockstep),
-``cloud_led_rounds`` (edge.cloud_led) or ``cloud_only_rounds`` (edge.cloud_only). A new mode
-is a new loop module and a line here.
+``cloud_led_rounds`` (edge.cloud_led) or ``cloud_only_rounds`` (edge.cloud_only). The mode
+switch is here too, one way: lock-step rounds that hand over end with a ``Handover``
+(edge.handover), and cloud-led rounds go on from it. No loop calls another. A new mode is a new
+loop module and a line here.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from specsplit.edge.cloud_led import cloud_led_rounds
 from specsplit.edge.cloud_only import cloud_only_rounds
 from specsplit.edge.drafting import DraftRule
+from specsplit.edge.handover import Handover
 from specsplit.edge.lockstep import lockstep_rounds
 from specsplit.edge.proposer import Proposer, block_off_loop, timed_block
 from specsplit.edge.session_plan import SessionPlan
@@ -52,16 +56,26 @@ async def run_rounds(
     finally:
         if early is not None:  # the drafter must be idle before anyone else uses it
             await early.join()
-    if plan.mode is SessionMode.CLOUD_ONLY:
-        rounds = cloud_only_rounds(stream)
-    else:
+    if plan.mode is not SessionMode.CLOUD_ONLY:
         _check_pair(proposer, started.model)
-        if plan.mode is SessionMode.CLOUD_LED:
-            rounds = cloud_led_rounds(stream, proposer, rule, plan, started)
+    mode, handover = plan.mode, None
+    while True:
+        if mode is SessionMode.CLOUD_ONLY:
+            rounds = cloud_only_rounds(stream)
+        elif mode is SessionMode.CLOUD_LED:
+            rounds = cloud_led_rounds(stream, proposer, rule, plan, started, handover)
         else:
             rounds = lockstep_rounds(stream, proposer, rule, plan, started, first)
-    async for chunk in rounds:
-        yield chunk
+        handover = None
+        async with contextlib.aclosing(rounds):  # closed with the stream, even mid-loop
+            async for out in rounds:
+                if isinstance(out, Handover):
+                    handover = out
+                else:
+                    yield out
+        if handover is None:
+            break
+        mode = SessionMode.CLOUD_LED
     await stream.finish()
 
 

@@ -166,3 +166,17 @@ def test_run_time_edge_never_reaches_the_exporter():
     bad = {m: sorted(n for n in reachable(g, m) if n.startswith(EXPORTER)) for m in run_time}
     bad = {m: v for m, v in bad.items() if v}
     assert not bad, f"run-time edge modules that import the exporter: {bad}"
+
+
+MODE_LOOPS = ("lockstep", "cloud_led", "cloud_only")  # one module per session mode, each side
+
+
+@pytest.mark.parametrize("side", ["specsplit.edge", "specsplit.cloud.gateway"])
+def test_no_mode_loop_imports_another(side):
+    """Each side's dispatcher (edge.rounds, the servicer's ``_rounds``) owns the mode switch:
+    a mode's loop never runs another's (a handover ends the loop with a Handover instead)."""
+    g = graph()
+    loops = {f"{side}.{name}" for name in MODE_LOOPS}
+    assert loops <= set(g), f"mode loop modules moved: {sorted(loops - set(g))}"
+    bad = {m: sorted(g[m] & (loops - {m})) for m in loops if g[m] & (loops - {m})}
+    assert not bad, f"mode loops that import another mode's loop: {bad}"

@@ -42,13 +42,12 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
+from specsplit.cloud.gateway.handover import Handover, PendingDraft
 from specsplit.cloud.gateway.messages import next_draft
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.session import Code, Finish, ProtocolError
 from specsplit.shared.protocol import pb
-from specsplit.shared.sampling import SparseDist
 
 POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
 # Wait for a Draft after a rejection only when it is due within this share of a one-row step:
@@ -64,26 +63,6 @@ def reads_per_step(max_draft_tokens: int) -> int:
     so they wait in the client under gRPC flow control instead of costing the gateway's loop a
     decode and a check each, at whatever rate a client can send."""
     return 2 * (max_draft_tokens + 1)
-
-
-@dataclass(eq=False)  # compared by identity: two Drafts with equal fields are two Drafts
-class PendingDraft:
-    round: int
-    base_len: int
-    tokens: list[int]
-    q: list[SparseDist] | None
-    used: bool = False
-
-    @property
-    def end(self) -> int:
-        return self.base_len + len(self.tokens)
-
-    def offset(self, committed: list[int]) -> int | None:
-        """How many of its tokens are already committed, None when it is inconsistent."""
-        off = len(committed) - self.base_len
-        if not 0 <= off < len(self.tokens):
-            return None
-        return off if self.tokens[:off] == committed[self.base_len :] else None
 
 
 class DraftPool:
@@ -173,16 +152,15 @@ class _Due:
 
 
 async def cloud_led_rounds(
-    step: Round,
-    messages,
-    first: PendingDraft | None = None,
-    reading: asyncio.Future | None = None,
+    step: Round, messages, handover: Handover | None = None
 ) -> AsyncIterator[pb.Verdict]:
-    """Verdicts of a cloud-led session, one per target step, until generation ends; ``first``:
-    the Draft.lead that switched a lock-step session, verified by the first step; ``reading``:
-    the read of a lock-step session's first Draft, still under way when the server took the
-    lead itself (cloud.gateway.lockstep; Verdict.led): the reader's first read, and a lead
-    Draft sent before the client heard of the switch is read as an ordinary one."""
+    """Verdicts of a cloud-led session, one per target step, until generation ends; from a
+    lock-step session's ``handover`` (cloud.gateway.handover): its lead Draft is verified by the
+    first step; where the server took the lead, the read of the first Draft still under way is
+    the reader's first read, a lead Draft sent before the client heard of the switch is read as
+    an ordinary one, and the first Verdict says Verdict.led."""
+    first = handover.lead if handover is not None else None
+    reading = handover.reading if handover is not None else None
     session = step.session
     pool = DraftPool()
     if first is not None:
@@ -200,7 +178,7 @@ async def cloud_led_rounds(
         pending, reading = reading, None
         return await pending
 
-    took_lead = reading is not None
+    took_lead = led_first = reading is not None
     due = _Due()
 
     async def read() -> None:
@@ -251,6 +229,7 @@ async def cloud_led_rounds(
             verdict.round = round_no
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
+            verdict.led, led_first = led_first, False  # the server took the lead: say so once
             if verdict.has_token and verdict.accepted < len(tokens):  # a correction
                 due.rejected(time.perf_counter())
             yield verdict  # its hint caps the edge's speculation; the edge obeys it there

@@ -1,9 +1,10 @@
 """Lock-step sessions on the cloud (docs/design.md#lock-step): one Draft in, one target step, one
 Verdict out.
 
-A Draft with ``lead`` set (Started.accepts_lead) hands the stream over to cloud-led rounds
-(cloud/gateway/cloud_led.py), as if Start had asked for them: that Draft is the first in their pool,
-so the first cloud-led step verifies it. The edge asks for that when its measurements say the
+A Draft with ``lead`` set (Started.accepts_lead) hands the stream over to cloud-led rounds, as if
+Start had asked for them: the loop ends by yielding a ``Handover`` (cloud.gateway.handover) that
+carries that Draft, and the servicer's dispatcher goes on with cloud-led rounds, whose first
+step verifies it. The edge asks for that when its measurements say the
 round trip costs more than the extra target steps a cloud-led session spends after a rejected
 block (edge/mode_switch.py).
 
@@ -11,8 +12,8 @@ The server takes that lead itself in a session whose client follows it (Start.fo
 when no first Draft has come ``lead_after_ms`` after Started (LEAD_AFTER_STEPS one-row steps,
 the proto's Started.lead_after_ms), the target would idle for longer than lock-step can win
 back, so it steps on its own from then on and says so in its first Verdict (Verdict.led). The
-read of the first Draft still under way becomes the cloud-led reader's first read: the client's
-Draft, whenever it comes, is then an ordinary cloud-led Draft.
+read of the first Draft still under way goes with the Handover and becomes the cloud-led
+reader's first read: the client's Draft, whenever it comes, is then an ordinary cloud-led Draft.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from specsplit.cloud.gateway.cloud_led import PendingDraft, cloud_led_rounds
+from specsplit.cloud.gateway.handover import Handover, PendingDraft
 from specsplit.cloud.gateway.messages import next_draft
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.session import Finish
@@ -47,10 +48,10 @@ def lead_after_ms(follows_lead: bool, mode: SessionMode, step_ms: float) -> floa
 
 async def lockstep_rounds(
     step: Round, messages, idle_s: float, lead_after_s: float = 0.0
-) -> AsyncIterator[pb.Verdict]:
+) -> AsyncIterator[pb.Verdict | Handover]:
     """Verdicts of a lock-step session, one per Draft, until generation ends (or the client
-    half-closes, or stays silent ``idle_s`` after a Verdict); ``lead_after_s`` > 0: the session
-    runs cloud-led when no first Draft came within it (Verdict.led on the first Verdict)."""
+    half-closes, or stays silent ``idle_s`` after a Verdict); or, last, a Handover: the edge's
+    Draft.lead, or ``lead_after_s`` > 0 passed with no first Draft (the server leads)."""
     session = step.session
     if lead_after_s > 0:
         reading = asyncio.ensure_future(next_draft(messages, None))
@@ -62,10 +63,7 @@ async def lockstep_rounds(
                 await reading
             raise
         if not done:  # the target would idle: it leads, the read goes on in cloud-led's reader
-            led = True
-            async for verdict in cloud_led_rounds(step, messages, reading=reading):
-                verdict.led, led = led, False
-                yield verdict
+            yield Handover(reading=reading)
             return
         draft = reading.result()
     else:
@@ -77,9 +75,7 @@ async def lockstep_rounds(
         t0 = time.perf_counter()
         q = step.check(draft)
         if draft.lead:
-            lead = PendingDraft(draft.round, draft.base_len, list(draft.tokens), q)
-            async for verdict in cloud_led_rounds(step, messages, lead):
-                yield verdict
+            yield Handover(lead=PendingDraft(draft.round, draft.base_len, list(draft.tokens), q))
             return
         verdict = await step.verify(list(draft.tokens), q, t0)
         verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)

@@ -34,6 +34,7 @@ from specsplit.cloud.gateway.admission import (
 )
 from specsplit.cloud.gateway.cloud_led import cloud_led_rounds
 from specsplit.cloud.gateway.cloud_only import cloud_only_rounds
+from specsplit.cloud.gateway.handover import Handover
 from specsplit.cloud.gateway.health import update_health, watch_health
 from specsplit.cloud.gateway.identity import ModelIdentity
 from specsplit.cloud.gateway.lease import Lease
@@ -196,14 +197,31 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
-    def _rounds(
+    async def _rounds(
         self, mode: SessionMode, step: Round, messages, lead_after_s: float
     ) -> AsyncIterator[pb.Verdict]:
-        if mode is SessionMode.CLOUD_ONLY:
-            return cloud_only_rounds(step, messages)
-        if mode is SessionMode.CLOUD_LED:
-            return cloud_led_rounds(step, messages)
-        return lockstep_rounds(step, messages, self.limits.idle_timeout_s, lead_after_s)
+        """The session's mode switch, the one place a mode meets its loop: a lock-step loop
+        ends in a Handover (cloud.gateway.handover) when the session goes on cloud-led; the
+        switch is one way."""
+        handover: Handover | None = None
+        while True:
+            if mode is SessionMode.CLOUD_ONLY:
+                rounds = cloud_only_rounds(step, messages)
+            elif mode is SessionMode.CLOUD_LED:
+                rounds = cloud_led_rounds(step, messages, handover)
+            else:
+                idle_s = self.limits.idle_timeout_s
+                rounds = lockstep_rounds(step, messages, idle_s, lead_after_s)
+            handover = None
+            async with contextlib.aclosing(rounds):  # closed with the stream, even mid-loop
+                async for out in rounds:
+                    if isinstance(out, Handover):
+                        handover = out
+                    else:
+                        yield out
+            if handover is None:
+                return
+            mode = SessionMode.CLOUD_LED
 
     @contextlib.contextmanager
     def _sending(self, ticket: Ticket) -> Iterator[None]:

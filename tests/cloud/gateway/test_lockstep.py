@@ -1,0 +1,146 @@
+"""The lock-step loop and the servicer's mode switch, against fakes (docs/design.md#handover).
+
+``lockstep_rounds`` never runs cloud-led rounds itself: a handover ends it with a ``Handover``,
+and the servicer's ``_rounds`` dispatcher goes on with ``cloud_led_rounds`` from it, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from specsplit.cloud.gateway import service
+from specsplit.cloud.gateway.handover import Handover, PendingDraft
+from specsplit.cloud.gateway.lockstep import lockstep_rounds
+from specsplit.cloud.gateway.session import Finish
+from specsplit.shared.protocol import pb
+from specsplit.shared.session_mode import SessionMode
+
+
+class FakeRound:
+    """Verifies every draft as accepted, answers token 7; finishes after ``steps`` steps."""
+
+    def __init__(self, steps: int = 10) -> None:
+        self.session = SimpleNamespace(finish=Finish.NONE)
+        self.verified: list[list[int]] = []
+        self.steps = steps
+
+    def check(self, draft, exact_base=True):
+        return None
+
+    async def verify(self, tokens, q, t0):
+        self.verified.append(list(tokens))
+        if len(self.verified) >= self.steps:
+            self.session.finish = Finish.LENGTH
+        return pb.Verdict(accepted=len(tokens), token=7, has_token=True)
+
+
+async def _messages(*drafts: pb.Draft, hold: asyncio.Event | None = None):
+    for d in drafts:
+        yield pb.ClientMessage(draft=d)
+    if hold is not None:  # the client goes silent
+        await hold.wait()
+
+
+async def _all(gen) -> list:
+    return [x async for x in gen]
+
+
+def test_lead_draft_ends_the_loop_with_a_handover_carrying_it():
+    async def main():
+        step = FakeRound()
+        drafts = (
+            pb.Draft(round=1, base_len=3, tokens=[1, 2]),
+            pb.Draft(round=2, base_len=6, tokens=[4, 5, 6], lead=True),
+            pb.Draft(round=3, base_len=9, tokens=[9]),  # for cloud-led rounds: not read here
+        )
+        messages = _messages(*drafts)
+        out = await _all(lockstep_rounds(step, messages, idle_s=5.0))
+        assert [type(x) for x in out] == [pb.Verdict, Handover]
+        handover = out[-1]
+        assert not handover.server_led and handover.reading is None
+        lead = handover.lead
+        assert (lead.round, lead.base_len, lead.tokens) == (2, 6, [4, 5, 6])
+        assert step.verified == [[1, 2]]  # the lead Draft is the cloud-led step's to verify
+        # the Draft after the lead is still unread, for the cloud-led reader
+        assert (await anext(messages)).draft.round == 3
+
+    asyncio.run(main())
+
+
+def test_no_first_draft_in_time_hands_the_pending_read_over():
+    async def main():
+        step = FakeRound()
+        hold = asyncio.Event()
+        messages = _messages(hold=hold)
+        out = await _all(lockstep_rounds(step, messages, idle_s=5.0, lead_after_s=0.05))
+        assert len(out) == 1 and isinstance(out[0], Handover)
+        handover = out[0]
+        assert handover.server_led and handover.lead is None
+        assert not handover.reading.done()  # the read goes on, the cloud-led reader's first
+        assert step.verified == []
+        handover.reading.cancel()
+        hold.set()
+
+    asyncio.run(main())
+
+
+def test_first_draft_in_time_stays_lock_step():
+    async def main():
+        step = FakeRound(steps=2)
+        drafts = (pb.Draft(round=1, base_len=3, tokens=[1]), pb.Draft(round=2, base_len=5))
+        out = await _all(lockstep_rounds(step, _messages(*drafts), 5.0, lead_after_s=5.0))
+        assert [type(x) for x in out] == [pb.Verdict, pb.Verdict]
+        assert [v.round for v in out] == [1, 2]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("mode", "ends_in_handover", "loops"),
+    [
+        (SessionMode.LOCK_STEP, True, ["lockstep", "cloud_led"]),
+        (SessionMode.LOCK_STEP, False, ["lockstep"]),
+        (SessionMode.CLOUD_LED, False, ["cloud_led"]),
+        (SessionMode.CLOUD_ONLY, False, ["cloud_only"]),
+    ],
+)
+def test_the_dispatcher_switches_once_on_a_handover(monkeypatch, mode, ends_in_handover, loops):
+    """Fakes of the three loops: the dispatcher yields every Verdict, runs cloud-led rounds
+    from the lock-step loop's Handover (and only then), and never switches back."""
+    ran: list[str] = []
+    handover = Handover(lead=PendingDraft(4, 10, [1, 2], None))
+    received: list = []
+
+    async def lockstep(step, messages, idle_s, lead_after_s):
+        ran.append("lockstep")
+        yield pb.Verdict(round=1)
+        if ends_in_handover:
+            yield handover
+
+    async def cloud_led(step, messages, given=None):
+        ran.append("cloud_led")
+        received.append(given)
+        yield pb.Verdict(round=2, led=given is not None and given.server_led)
+
+    async def cloud_only(step, messages):
+        ran.append("cloud_only")
+        yield pb.Verdict(round=0)
+
+    monkeypatch.setattr(service, "lockstep_rounds", lockstep)
+    monkeypatch.setattr(service, "cloud_led_rounds", cloud_led)
+    monkeypatch.setattr(service, "cloud_only_rounds", cloud_only)
+    servicer = SimpleNamespace(limits=SimpleNamespace(idle_timeout_s=5.0))
+
+    async def main():
+        rounds = service.SpeculativeService._rounds(servicer, mode, None, None, 0.0)
+        return await _all(rounds)
+
+    out = asyncio.run(main())
+    assert ran == loops
+    assert all(isinstance(v, pb.Verdict) for v in out)
+    assert len(out) == len(loops)
+    if "cloud_led" in ran:
+        assert received == [handover if mode is SessionMode.LOCK_STEP else None]

@@ -1,0 +1,116 @@
+"""The edge's mode switch (edge.rounds), against fakes of the stream, the drafter and the three
+mode loops (docs/design.md#handover): the dispatcher runs the loop of the mode the server runs,
+and cloud-led rounds from a lock-step loop's Handover, once; no loop runs another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from specsplit.edge import rounds as dispatcher
+from specsplit.edge.adaptive import DraftLength
+from specsplit.edge.drafting import Block
+from specsplit.edge.generation import GenerationConfig, GenerationStats
+from specsplit.edge.handover import Handover
+from specsplit.edge.session_plan import SessionPlan
+from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
+from specsplit.shared.session_mode import SessionMode
+
+
+class FakeStream:
+    def __init__(self, cfg: GenerationConfig, runs: SessionMode) -> None:
+        self.cfg, self.runs = cfg, runs
+        self.seed = None
+        self.committed = [1, 2, 3]
+        self.max_new_tokens = cfg.max_new_tokens
+        self.stats = GenerationStats(mode="split")
+        self.asked: SessionMode | None = None
+        self.finished = False
+
+    async def start(self, mode, fingerprint, follows_lead) -> None:
+        self.asked = mode
+
+    async def started(self) -> pb.Started:
+        started = pb.Started(session_mode=SESSION_MODE_TO_PB[self.runs], accepts_lead=True)
+        started.max_new_tokens = self.max_new_tokens
+        started.limits.max_draft_tokens = 8
+        started.model.vocab_size = 100
+        return started
+
+    async def finish(self) -> None:
+        self.finished = True
+
+
+PROPOSER = SimpleNamespace(
+    tokenizer_fingerprint=None,
+    vocab_size=100,
+    token_count=100,
+    propose=lambda committed, k, rule, stop: Block([5], None),
+)
+
+
+@pytest.mark.parametrize(
+    ("session_mode", "runs", "hands_over", "loops"),
+    [
+        ("lock-step", SessionMode.LOCK_STEP, True, ["lockstep", "cloud_led"]),
+        ("lock-step", SessionMode.LOCK_STEP, False, ["lockstep"]),
+        ("cloud-led", SessionMode.CLOUD_LED, False, ["cloud_led"]),
+        ("cloud-led", SessionMode.LOCK_STEP, False, ["lockstep"]),  # the server's right
+    ],
+)
+def test_the_dispatcher_switches_once_on_a_handover(
+    monkeypatch, session_mode, runs, hands_over, loops
+):
+    ran: list[str] = []
+    received: list = []
+    handover = Handover(2, Block([8, 9], None), 40, DraftLength(4))
+
+    async def lockstep(stream, proposer, rule, plan, started, first):
+        ran.append("lockstep")
+        assert first[0].tokens == [5]  # the block drafted while the cloud prefilled
+        stream.committed += [5, 6]
+        yield [5, 6]
+        if hands_over:
+            yield handover
+
+    async def cloud_led(stream, proposer, rule, plan, started, given=None):
+        ran.append("cloud_led")
+        received.append(given)
+        stream.committed += [7]
+        yield [7]
+
+    monkeypatch.setattr(dispatcher, "lockstep_rounds", lockstep)
+    monkeypatch.setattr(dispatcher, "cloud_led_rounds", cloud_led)
+    cfg = GenerationConfig(max_new_tokens=64, session_mode=session_mode)
+    stream = FakeStream(cfg, runs)
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, PROPOSER, SessionPlan.of(cfg))]
+
+    chunks = asyncio.run(main())
+    assert ran == loops
+    assert all(isinstance(c, list) for c in chunks)  # the Handover never reaches the caller
+    assert stream.finished
+    if "cloud_led" in ran:
+        assert received == [handover if runs is SessionMode.LOCK_STEP else None]
+
+
+def test_cloud_only_runs_its_loop(monkeypatch):
+    ran = []
+
+    async def cloud_only(stream):
+        ran.append("cloud_only")
+        yield [4]
+
+    monkeypatch.setattr(dispatcher, "cloud_only_rounds", cloud_only)
+    cfg = GenerationConfig(max_new_tokens=8)
+    stream = FakeStream(cfg, SessionMode.CLOUD_ONLY)
+
+    async def main():
+        plan = SessionPlan.of(cfg, cloud_only=True)
+        return [c async for c in dispatcher.run_rounds(stream, None, plan)]
+
+    assert asyncio.run(main()) == [[4]] and ran == ["cloud_only"]
