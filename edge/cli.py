@@ -354,10 +354,12 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     _add_precision_arg(p, "precision when the draft has to be exported")
 
 
-def _add_precision_arg(p: argparse.ArgumentParser, help: str) -> None:
+def _add_precision_arg(p: argparse.ArgumentParser, help: str, prog: str = "specsplit-edge") -> None:
+    """--precision with its names, the old tags as warned aliases (bench/ adds it too, as
+    ``prog``)."""
     p.add_argument(
         "--precision",
-        type=renamed_values("specsplit-edge", "--precision", _OLD_PRECISIONS),
+        type=renamed_values(prog, "--precision", _OLD_PRECISIONS),
         choices=tuple(PRECISION_TAGS),
         default=PRECISION_NAMES[DEFAULT_PRECISION],
         help=f"{help}: int8 or int4 weights (MatMulNBits) with float32 activations, float32, or "
