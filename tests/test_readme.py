@@ -241,19 +241,38 @@ GENERATED = ["benchmarks*.md", "load*.md", "soak.md", "peers*.md"]  # pages benc
 
 def test_every_generated_page_says_when_and_where_it_was_measured_or_that_it_is_stale():
     """A figure without its date, commit and CPU went stale unnoticed (issue 41): each page
-    bench/ generates opens with bench.stamp's line or a visible stale note naming its commit and
-    the `make` target that regenerates it."""
+    bench/ generates opens with bench.stamp's line, a visible stale note naming its commit and
+    the `make` target that regenerates it, or a note that no current figure is published (then
+    naming the `make` target that writes it, and holding no figure: no table, no plot)."""
     pages = sorted({p for g in GENERATED for p in (ROOT / "docs").glob(g)})
     assert len(pages) >= 6
     for page in pages:
-        head = "\n".join(page.read_text().splitlines()[:12])
+        text = page.read_text()
+        head = "\n".join(text.splitlines()[:12])
+        note = " ".join(line[1:].strip() for line in head.splitlines() if line.startswith(">"))
         stamp = re.search(r"^Measured .+ at commit `[0-9a-f]{7,}` on \S", head, flags=re.M)
         stale = re.search(r"^> \*\*Stale\.\*\* ", head, flags=re.M)
-        assert stamp or stale, f"{page.name}: no stamp and no stale note at its top"
-        if stale and not stamp:
-            note = " ".join(line[1:].strip() for line in head.splitlines() if line.startswith(">"))
+        none = re.search(r"^> \*\*No current figure is published\.\*\* ", head, flags=re.M)
+        assert stamp or stale or none, f"{page.name}: no stamp, stale note or no-figure note"
+        if none and not stamp:
+            assert re.search(r"`make [\w-]+`", note), f"{page.name}: no command writes it"
+            assert not re.search(r"^\||!\[", text, flags=re.M), f"{page.name}: has a figure"
+        elif stale and not stamp:
             assert re.search(r"\b[0-9a-f]{7}\b", note), f"{page.name}: the note names no commit"
             assert re.search(r"`make [\w-]+`", note), f"{page.name}: no command regenerates it"
+
+
+def test_pages_without_a_current_figure_leave_nothing_of_the_old_run_behind():
+    """docs/soak.md and docs/load.md publish no current figure (issue 41): their plots and raw
+    records went with their figures, and nothing links to them."""
+    for name in ("soak", "load"):
+        assert "No current figure is published" in (ROOT / "docs" / f"{name}.md").read_text()
+        for leftover in (f"{name}.png", f"{name}-raw.jsonl", f"{name}-meta.json"):
+            assert not (ROOT / "docs" / leftover).exists(), leftover
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        links = re.findall(r"\]\(([^)]+)\)", page.read_text())
+        gone = [link for link in links if Path(link).name in ("soak.png", "load.png")]
+        assert not gone, f"{page.name} links to {gone}"
 
 
 @pytest.mark.slow
