@@ -453,7 +453,11 @@ def _add_serve_parser(sub) -> None:
         help="seconds to keep re-opening after UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED "
         f"with a retry hint, before answering 503 or 429 (default {DEFAULT_WINDOW_S:.0f})",
     )
-    s.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per drafter")
+    s.add_argument(
+        "--threads",
+        type=int,
+        help="ONNX Runtime intra-op threads per drafter (default: ONNX Runtime's)",
+    )
     _add_provider_arg(s)
     s.add_argument(
         "--api-key",
@@ -540,7 +544,9 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to keep re-opening after UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED "
         f"with a retry hint, per outage (default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
     )
-    g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
+    g.add_argument(
+        "--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)"
+    )
     _add_provider_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_serve_parser(sub)
