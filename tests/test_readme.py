@@ -417,3 +417,17 @@ def test_the_curl_block_runs_against_a_real_edge_serve(cloud, tiny, tmp_path):
         serve.stop()
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("data: {") >= 2 and "data: [DONE]" in r.stdout, r.stdout[-2000:]
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_table():
+    """The README's environment-variable table names every SPECSPLIT_* the package reads."""
+    table = README[README.index("## Environment variables") :].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(SPECSPLIT_[A-Z_]+)` \|", table, flags=re.M))
+    read = {
+        name
+        for tier in ("cloud", "edge", "shared")
+        for path in (ROOT / tier).rglob("*.py")
+        for name in re.findall(r"\bSPECSPLIT_[A-Z_]+\b", path.read_text())
+    }
+    assert read - listed == set(), f"not in the README's table: {sorted(read - listed)}"
+    assert listed - read == set(), f"in the table, read nowhere: {sorted(listed - read)}"
