@@ -22,8 +22,8 @@ from rich.table import Table
 from rich.text import Text
 
 from specsplit.cloud.supervision.process import CloudProcess
+from specsplit.edge.cli import PRECISION_TAGS, _add_precision_arg
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.models import DEFAULT_PRECISION, PRECISIONS
 from specsplit.shared.sampling import SamplingConfig
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -145,12 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="name or HF dir")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="name, HF or ONNX dir")
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help=f"the draft's weights (default {DEFAULT_PRECISION}, as the edge ships)",
-    )
+    _add_precision_arg(p, "the draft's weights, as the edge ships them", prog="make demo")
     p.add_argument("--no-compare", action="store_true", help="skip the cloud-only/edge-only runs")
     args = p.parse_args(argv)
     interrupt_on_sigterm()
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     console.rule("[bold]models")
     target_dir = resolve_model(args.target)
-    draft_dir = ensure_draft_onnx(args.draft, args.precision)
+    draft_dir = ensure_draft_onnx(args.draft, PRECISION_TAGS[args.precision])
     console.print(f"target {target_dir}\ndraft  {draft_dir} ({args.precision})")
     edge_cores, cloud_cores = split_cores()
     os.sched_setaffinity(0, edge_cores)

@@ -28,10 +28,10 @@ from bench.demo import interrupt_on_sigterm, split_cores
 from bench.proxy import DelayProxy
 from bench.stamp import stamp
 from specsplit.cloud.supervision.process import CloudProcess
+from specsplit.edge.cli import PRECISION_TAGS, _add_precision_arg
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.mode_switch import Link
-from specsplit.edge.models import DEFAULT_PRECISION, PRECISIONS
 from specsplit.shared.sampling import SamplingConfig
 
 HERE = Path(__file__).parent
@@ -292,12 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help=f"the draft's weights (default {DEFAULT_PRECISION}, as the edge ships)",
-    )
+    _add_precision_arg(p, "the draft's weights, as the edge ships them", prog="make bench")
     p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--out", type=Path, default=HERE.parent / "docs")
     p.add_argument("--skip-overhead", action="store_true")
@@ -357,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         raw.write_text("")
     target_dir = resolve_model(args.target)
-    draft_dir = ensure_draft_onnx(args.draft, args.precision)
+    draft_dir = ensure_draft_onnx(args.draft, PRECISION_TAGS[args.precision])
     edge_cores, cloud_cores = split_cores()
     os.sched_setaffinity(0, edge_cores)
     meta = run_meta(

@@ -26,10 +26,29 @@ from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
 from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
 from specsplit.shared.steps import install_hint
-from specsplit.shared.weights.sources import TARGET_DEFAULT, SourceError, resolve_model
+from specsplit.shared.weights.sources import (
+    SOURCES,
+    TARGET_DEFAULT,
+    SourceError,
+    resolve_model,
+)
 
 log = logging.getLogger("specsplit.cloud")
 DEFAULT_TARGET = TARGET_DEFAULT.name
+
+
+def resolve_target(spec: str) -> Path:
+    """--target as a model directory: a Hugging Face directory or a default name as
+    ``resolve_model`` takes them, or a GGUF file converted once in the cache
+    (``shared.weights.local_gguf``); anything else is refused with what it takes."""
+    from specsplit.shared.weights import local_gguf
+
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file() or spec in SOURCES:
+        return resolve_model(spec)
+    if local_gguf.looks_like_gguf(spec) or path.is_dir():
+        return local_gguf.resolve_gguf(path)  # a precise error for a directory or non-GGUF
+    raise ValueError(f"unknown target {spec!r}: {local_gguf.TAKES} (one of {sorted(SOURCES)})")
 
 
 async def _start_tritons(servers: list[TritonServer], stop: asyncio.Event) -> bool:
@@ -281,7 +300,7 @@ async def serve(args: argparse.Namespace) -> int:
     if conflict is not None:
         print(f"specsplit-cloud: {conflict}", file=sys.stderr)
         return 2
-    target = resolve_model(args.target)  # a default name is fetched and converted on first use
+    target = resolve_target(args.target)  # fetched or converted on first use
     identity = ModelIdentity.from_dir(target, name=args.target_name)
     admission = _admission(args, target)
     stop = asyncio.Event()
@@ -387,7 +406,8 @@ def _parser() -> argparse.ArgumentParser:
     add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     target_help = (
-        "Hugging Face model dir or a default model name "
+        "Hugging Face model dir, a GGUF file (converted once, its blocks served as they are where "
+        "--weights chooses gguf) or a default model name "
         f"(default: {DEFAULT_TARGET}, fetched and converted on first use, cached)"
     )
     s = sub.add_parser(
@@ -559,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "pull":
-            print(resolve_model(args.target))
+            print(resolve_target(args.target))
             return 0
         if args.command == "kernels":
             return kernels(args)

@@ -354,10 +354,12 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     _add_precision_arg(p, "precision when the draft has to be exported")
 
 
-def _add_precision_arg(p: argparse.ArgumentParser, help: str) -> None:
+def _add_precision_arg(p: argparse.ArgumentParser, help: str, prog: str = "specsplit-edge") -> None:
+    """--precision with its names, the old tags as warned aliases (bench/ adds it too, as
+    ``prog``)."""
     p.add_argument(
         "--precision",
-        type=renamed_values("specsplit-edge", "--precision", _OLD_PRECISIONS),
+        type=renamed_values(prog, "--precision", _OLD_PRECISIONS),
         choices=tuple(PRECISION_TAGS),
         default=PRECISION_NAMES[DEFAULT_PRECISION],
         help=f"{help}: int8 or int4 weights (MatMulNBits) with float32 activations, float32, or "
@@ -451,7 +453,11 @@ def _add_serve_parser(sub) -> None:
         help="seconds to keep re-opening after UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED "
         f"with a retry hint, before answering 503 or 429 (default {DEFAULT_WINDOW_S:.0f})",
     )
-    s.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per drafter")
+    s.add_argument(
+        "--threads",
+        type=int,
+        help="ONNX Runtime intra-op threads per drafter (default: ONNX Runtime's)",
+    )
     _add_provider_arg(s)
     s.add_argument(
         "--api-key",
@@ -538,7 +544,9 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to keep re-opening after UNAVAILABLE, or a busy cloud's RESOURCE_EXHAUSTED "
         f"with a retry hint, per outage (default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
     )
-    g.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
+    g.add_argument(
+        "--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)"
+    )
     _add_provider_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_serve_parser(sub)

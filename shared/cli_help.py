@@ -18,7 +18,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
-        if "(default" in help or action.default in (None, False, argparse.SUPPRESS):
+        # identity, not ==: a default of 0 or 0.0 equals False and is still worth showing
+        off = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if "(default" in help or off:
             return help
         if not action.option_strings:
             return help
@@ -35,7 +37,10 @@ def version() -> str:
 
 def add_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--version", action="version", version=f"{parser.prog} {version()}", help="print it"
+        "--version",
+        action="version",
+        version=f"{parser.prog} {version()}",
+        help="print the version and exit",
     )
 
 

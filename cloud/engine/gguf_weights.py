@@ -1,7 +1,8 @@
 """A target's weights read from the GGUF file it came from, at the file's own widths.
 
 A model directory converted from a GGUF by ``shared.weights.sources`` (its completion marker names
-the source) or holding exactly one ``*.gguf`` has a GGUF source. Its projections, LM head and
+the source) or holding exactly one ``*.gguf`` (``shared.weights.local_gguf`` links a GGUF given by
+path there) has a GGUF source. Its projections, LM head and
 token embedding are then served from the file's own quantised blocks (``cloud.engine.formats``:
 Q4_K, Q6_K, Q8_0, ... each at its width) instead of being quantised again from the float copy:
 the values are the file's exactly, and a pass reads about the bytes llama.cpp reads.
@@ -45,7 +46,7 @@ def source_gguf(model_dir: str | Path) -> Path | None:
         path = sources.cached_gguf(source)
         if path is not None:
             return path
-    found = sorted(model_dir.glob("*.gguf"))
+    found = sorted(p for p in model_dir.glob("*.gguf") if p.is_file())  # not a broken link
     return found[0] if len(found) == 1 else None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specsplit.shared.weights.wheels import GgufChunkSource, SourceError
+from specsplit.shared.weights.wheels import SourceError
 
 
 def _load_dequantised(gguf: Path, dtype: object) -> object:
@@ -38,19 +38,23 @@ def _load_dequantised(gguf: Path, dtype: object) -> object:
     return model
 
 
-def convert(
-    source: GgufChunkSource, gguf: Path, out: Path, storage_dtype: str
-) -> dict[str, object]:
-    """Dequantise ``gguf`` into an HF directory at ``out``; returns facts worth recording."""
+def convert(source, gguf: Path, out: Path, storage_dtype: str) -> dict[str, object]:
+    """Dequantise ``gguf`` into an HF directory at ``out``; returns facts worth recording.
+    ``source``: a ``GgufChunkSource``, or a ``shared.weights.local_gguf.LocalGguf``."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in source.eos_tokens]
-    pad_id = tokenizer.convert_tokens_to_ids(source.pad_token)
+    # A source that names no stopping tokens (a GGUF given by path) stops at the file's own.
+    eos_tokens = source.eos_tokens or tuple(t for t in [tokenizer.eos_token] if t)
+    if not eos_tokens:
+        raise SourceError(f"{source.name}: the GGUF names no end-of-sequence token")
+    pad_token = source.pad_token or tokenizer.pad_token or eos_tokens[-1]
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in eos_tokens]
+    pad_id = tokenizer.convert_tokens_to_ids(pad_token)
     if None in eos_ids or pad_id is None or tokenizer.unk_token_id in [*eos_ids, pad_id]:
-        raise SourceError(f"{source.name}: tokenizer lacks one of {source.eos_tokens}")
-    if not tokenizer.chat_template:
+        raise SourceError(f"{source.name}: tokenizer lacks one of {eos_tokens}")
+    if source.needs_chat_template and not tokenizer.chat_template:
         raise SourceError(f"{source.name}: the GGUF carried no tokenizer.chat_template")
     model = _load_dequantised(gguf, getattr(torch, storage_dtype))
     # GGUF stores one eos id (end of turn); generation must also stop at <|endoftext|>.

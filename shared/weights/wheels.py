@@ -39,6 +39,7 @@ class GgufChunkSource:
     # End-of-turn and end-of-text for chat models; ids are looked up in the tokenizer.
     eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
     pad_token: str = "<|endoftext|>"
+    needs_chat_template = True  # instruct models the edge prompts through their template
 
     @property
     def packages(self) -> tuple[str, ...]:

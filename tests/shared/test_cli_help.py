@@ -31,7 +31,8 @@ def test_every_flag_has_help_and_shows_its_default(prog):
                 continue
             flag = f"{prog} {name} {action.option_strings[-1]}"
             assert action.help, f"{flag} has no help"
-            if action.default not in (None, False, argparse.SUPPRESS):
+            # identity, not equality: a default of 0 or 0.0 (== False) is shown too
+            if not any(action.default is v for v in (None, False, argparse.SUPPRESS)):
                 shown = formatter._expand_help(action)
                 assert "(default" in shown, f"{flag}: its default is not shown: {shown}"
                 written = re.search(r"\(default:? (\d+(?:\.\d+)?)( MiB)?[ ;)]", shown)

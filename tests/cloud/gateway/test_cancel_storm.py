@@ -4,8 +4,8 @@ stub) keeps the memory.
 
 The serve here runs the target without oneDNN-packed Linear layers: oneDNN keeps state per
 distinct batch shape (rows), so the stub grows by up to a few hundred MiB while new shapes keep
-appearing, then levels off (docs/soak.md shows the curve). That is bounded and has nothing to
-do with cancels; without it, any growth here is what cancels left behind.
+appearing, then levels off (`make soak` plots the curve in docs/soak.png). That is bounded and
+has nothing to do with cancels; without it, any growth here is what cancels left behind.
 """
 
 from __future__ import annotations
