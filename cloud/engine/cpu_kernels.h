@@ -1,11 +1,11 @@
 /* Shared by the target's CPU kernels (cpu_kernels.c: quantisation and matmuls; cpu_attention.c:
 rotary embedding and attention; cpu_rowwise.c: the float ops between them; cpu_kquants.c and
-cpu_block_quants.c: the GGUF formats), which cloud/engine/cpu_kernels.py compiles into one
+cpu_block_quants.c: the GGUF formats), which cloud/engine/kernel_library.py compiles into one
 library. The batch-invariance contract and the weight formats are described at
 the top of cpu_kernels.c.
 
 Every function the library exports is declared here, so the compiler checks each definition
-against its prototype; cpu_kernels.py's ctypes table (_SIGNATURES, _RETURNS) must agree with
+against its prototype; kernel_library.py's ctypes table (_SIGNATURES, _RETURNS) must agree with
 these prototypes (tests/cloud/engine/test_cpu_kernels.py parses them and checks). */
 
 #ifndef SPECSPLIT_CPU_KERNELS_H

@@ -1,7 +1,7 @@
 /* Row-wise float ops between the target's kernels (compiled with cpu_kernels.c and
-cpu_attention.c into one library by cloud/engine/cpu_kernels.py): the MLP activation act(gate) * up
-fused into the activation quantisation, RMSNorm, residual adds (with the added branch's RMSNorm,
-Gemma's post norms) and tanh soft-caps.
+cpu_attention.c into one library by cloud/engine/kernel_library.py): the MLP activation
+act(gate) * up fused into the activation quantisation, RMSNorm, residual adds (with the added
+branch's RMSNorm, Gemma's post norms) and tanh soft-caps.
 
 Contract (cpu_kernels.c's): every output element is computed by one fixed sequence of float
 operations that reads its own row only, whatever the rows in the call and the thread count. So:
@@ -11,7 +11,8 @@ operations that reads its own row only, whatever the rows in the call and the th
   counts;
 - a reduction (RMSNorm's sum of squares) runs within one row: 8 lanes in index order, then hsum8;
 - threads split over rows (elementwise ops: over whole vectors), never inside a row's reduction.
-Build with -ffp-contract=off (cpu_kernels.py does) so that no multiply-add is fused on its own. */
+Build with -ffp-contract=off (kernel_library.py does) so that no multiply-add is fused on its
+own. */
 #include "cpu_kernels.h"
 
 /* 1 / (1 + e^-z) through e = e^-|z| <= 1, so nothing overflows: 1 / (1 + e) for z >= 0,

@@ -15,13 +15,14 @@ import torch
 
 from specsplit.cloud.engine import block_quants as bq
 from specsplit.cloud.engine import cpu_kernels as kernels
+from specsplit.cloud.engine import kernel_library
 from specsplit.cloud.engine.kernel_layouts import paired
 from specsplit.shared.steps import cache_dir
 from specsplit.shared.weights.sources import DRAFT_DEFAULT
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
+pytestmark = pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels")
 
-BACKENDS = kernels.supported_backends() if kernels.available() else []
+BACKENDS = kernel_library.supported_backends() if kernel_library.available() else []
 QTYPE = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q5_0": gguf.GGMLQuantizationType.Q5_0,
@@ -171,11 +172,11 @@ def test_bad_blocks_and_mismatched_weights_are_refused():
 
 def test_the_ctypes_table_matches_the_header():
     """The block-32 functions' prototypes in cpu_kernels.h, as ctypes reads them."""
-    header = kernels.HEADER.read_text()
+    header = kernel_library.HEADER.read_text()
     ctype = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
     for name in ("specsplit_block_gemm", "specsplit_block_gemm_vnni"):
         match = re.search(rf"void {name}\(([^)]*)\);", header)
-        assert match, f"{name} is not declared in {kernels.HEADER.name}"
+        assert match, f"{name} is not declared in {kernel_library.HEADER.name}"
         params = [" ".join(p.split()) for p in match.group(1).split(",")]
         want = [ctypes.c_void_p if "*" in p else ctype[p.rsplit(" ", 1)[0]] for p in params]
-        assert kernels._SIGNATURES[name] == want
+        assert kernel_library._SIGNATURES[name] == want

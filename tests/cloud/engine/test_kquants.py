@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine import kernel_layouts, kquants
+from specsplit.cloud.engine import kernel_layouts, kernel_library, kquants
 from specsplit.shared.steps import cache_dir
 from specsplit.shared.weights.sources import TARGET_DEFAULT
 
 gguf = pytest.importorskip("gguf")
 
-KERNELS = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
-BACKENDS = kernels.supported_backends() if kernels.available() else []
+KERNELS = pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels")
+BACKENDS = kernel_library.supported_backends() if kernel_library.available() else []
 TYPES = {
     "q4_k": gguf.GGMLQuantizationType.Q4_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K,
@@ -259,7 +259,7 @@ def test_weights_of_another_format_or_kernel_are_refused():
         kquants.pack("q6_k", "neon", tensors)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
+@pytest.mark.skipif(not kernel_library.available(), reason="no CPU kernels here")
 def test_weights_moved_by_replace_point_the_kernel_at_their_new_tensors():
     """The target moves packed weights into huge pages with ``dataclasses.replace``: the C
     struct must follow the new tensors, never the ones let go."""
@@ -268,7 +268,7 @@ def test_weights_moved_by_replace_point_the_kernel_at_their_new_tensors():
     from specsplit.cloud.engine import formats
     from specsplit.cloud.engine.gguf_weights import synthetic
 
-    backend = kernels.backend()
+    backend = kernel_library.backend()
     w = formats.pack("q6_k", backend, synthetic("q6_k", 48, 512))
     x = kernels.QuantizedRows(torch.randn(3, 512), kernel=backend)
     want = formats.gemm(x, w)
