@@ -90,6 +90,15 @@ typedef struct {
     int64_t rows, stride, heads, head_stride, dim;
 } specsplit_heads;
 
+/* A residual add's inputs (cpu_rowwise.c's specsplit_residual_add): x and y [m, k], rows
+   contiguous, k a multiple of 8; w [k] and eps normalise y first, w NULL: plain x + y. */
+typedef struct {
+    const float *x, *y; /* the residual stream and a layer's branch */
+    int64_t m, k;
+    const float *w; /* the branch's RMSNorm weight, or NULL */
+    float eps;
+} specsplit_residual_args;
+
 /* ---- cpu_kernels.c ---- */
 int specsplit_has_avx2(void);
 int specsplit_has_avx512vnni(void);
@@ -236,8 +245,7 @@ void specsplit_act_mul_quantize(const float *gu, int act, const specsplit_rows *
    stride, rows out_stride floats apart. */
 void specsplit_rmsnorm(const specsplit_heads *x, const float *w, float eps, float *out,
                        int64_t out_stride, int nt);
-void specsplit_residual_add(const float *x, const float *y, int64_t M, int64_t K, const float *w,
-                            float eps, float *out, int nt);
+void specsplit_residual_add(const specsplit_residual_args *args, float *out, int nt);
 void specsplit_soft_cap(const float *x, int64_t n, float cap, float *out, int nt);
 
 #endif

@@ -110,6 +110,10 @@ class Heads(ctypes.Structure):  # specsplit_heads
     ]
 
 
+class ResidualArgs(ctypes.Structure):  # specsplit_residual_args
+    _fields_ = [("x", _P), ("y", _P), ("m", _I64), ("k", _I64), ("w", _P), ("eps", _F32)]
+
+
 STRUCTS = {
     "specsplit_rows": Rows,
     "specsplit_weights": Weights,
@@ -118,6 +122,7 @@ STRUCTS = {
     "specsplit_segments": Segments,
     "specsplit_attention_args": AttentionArgs,
     "specsplit_heads": Heads,
+    "specsplit_residual_args": ResidualArgs,
 }
 
 
@@ -388,16 +393,9 @@ def residual_add(
     if weight is not None and weight.shape[0] != x.shape[1]:
         raise ValueError(f"the norm's weight has {weight.shape[0]} values, the rows {x.shape[1]}")
     out = x if in_place else torch.empty(x.shape, dtype=torch.float32)
-    kernel_library.library().specsplit_residual_add(
-        _ptr(x),
-        _ptr(branch),
-        x.shape[0],
-        x.shape[1],
-        None if weight is None else _ptr(weight),
-        eps,
-        _ptr(out),
-        _threads(),
-    )
+    w = None if weight is None else _ptr(weight)
+    args = ResidualArgs(_ptr(x), _ptr(branch), x.shape[0], x.shape[1], w, eps)
+    kernel_library.library().specsplit_residual_add(ctypes.byref(args), _ptr(out), _threads())
     return out
 
 

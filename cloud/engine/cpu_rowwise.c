@@ -109,8 +109,10 @@ void specsplit_rmsnorm(const specsplit_heads *heads, const float *w, float eps, 
 /* out[M, K] = x + y, or x + RMSNorm(y) (weight w [K], eps) where w != NULL: the residual
    stream plus a layer's branch (Gemma normalises its branches first). out may be x.
    K a multiple of 8. */
-void specsplit_residual_add(const float *x, const float *y, int64_t M, int64_t K, const float *w,
-                            float eps, float *out, int nt) {
+void specsplit_residual_add(const specsplit_residual_args *args, float *out, int nt) {
+    const float *x = args->x, *y = args->y, *w = args->w;
+    const int64_t M = args->m, K = args->k;
+    const float eps = args->eps;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
     for (int64_t r = 0; r < M; r++) {
         const float *a = x + r * K, *b = y + r * K;

@@ -80,7 +80,7 @@ _SIGNATURES = {
     "specsplit_act_mul": [_P, _I64, _I64, _INT, _P, _INT],
     "specsplit_act_mul_quantize": [_P, _INT, _P, _INT, _INT],
     "specsplit_rmsnorm": [_P, _P, _F32, _P, _I64, _INT],
-    "specsplit_residual_add": [_P, _P, _I64, _I64, _P, _F32, _P, _INT],
+    "specsplit_residual_add": [_P, _P, _INT],
     "specsplit_soft_cap": [_P, _I64, _F32, _P, _INT],
 }
 # Return types of the functions that return something (the others return void).
