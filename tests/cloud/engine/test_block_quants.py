@@ -16,13 +16,12 @@ import torch
 from specsplit.cloud.engine import block_quants as bq
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine import kernel_library
-from specsplit.cloud.engine.kernel_layouts import paired
 from specsplit.shared.steps import cache_dir
 from specsplit.shared.weights.sources import DRAFT_DEFAULT
+from tests.cloud.engine.conftest import BACKENDS, natural, needs_kernels
 
-pytestmark = pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels")
+pytestmark = needs_kernels
 
-BACKENDS = kernel_library.supported_backends() if kernel_library.available() else []
 QTYPE = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q5_0": gguf.GGMLQuantizationType.Q5_0,
@@ -42,10 +41,6 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     d.reshape(-1)[: len(EXTREME_D)] = EXTREME_D
     blocks[..., :2] = d[..., None].view(np.uint8).reshape(n, k // 32, 2)
     return blocks.reshape(n, -1)
-
-
-def natural(rows: kernels.QuantizedRows) -> torch.Tensor:
-    return paired(rows.xq) if rows.backend == "avx2" else rows.xq
 
 
 @cache

@@ -17,11 +17,9 @@ import pytest
 import torch
 
 from specsplit.cloud.engine import cpu_kernels, kernel_library
+from tests.cloud.engine.conftest import needs_kernels
 
 HEADER = kernel_library.HEADER
-needs_kernels = pytest.mark.skipif(
-    not kernel_library.available(), reason="needs the AVX2 CPU kernels"
-)
 
 
 # -- the ctypes table and the header ----------------------------------------------------------

@@ -13,24 +13,15 @@ import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine import kernel_library
-from specsplit.cloud.engine.kernel_layouts import int4_levels, paired, reference_gemm
+from specsplit.cloud.engine.kernel_layouts import int4_levels, reference_gemm
 from specsplit.cloud.engine.quantized import grid_share, quantize_int4, quantize_int8
 from specsplit.cloud.engine.ragged import Segment
-from specsplit.cloud.engine.target import Open, SessionParams, TargetModel, Verify
-from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.sampling import SamplingConfig
+from specsplit.cloud.engine.target import Open, TargetModel, Verify
 from specsplit.shared.tiny import make_tiny_qwen2
+from tests.cloud.engine.conftest import BACKENDS, GREEDY, natural, needs_kernels
 from tests.cloud.engine.passes import ragged_passes, stepped_alone
 
-pytestmark = pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels")
-
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
-BACKENDS = kernel_library.supported_backends() if kernel_library.available() else []
-
-
-def natural(rows: kernels.QuantizedRows) -> torch.Tensor:
-    """The rows' int8 values in natural order, whatever the kernel's layout."""
-    return paired(rows.xq) if rows.backend == "avx2" else rows.xq
+pytestmark = needs_kernels
 
 
 def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from specsplit.cloud.engine import kernel_library
+from tests.cloud.engine.conftest import needs_kernels
 
-needs_kernels = pytest.mark.skipif(
-    not kernel_library.available(), reason="needs the AVX2 CPU kernels"
-)
 # the real library, built ahead
 BUILT = kernel_library.build()[0] if kernel_library.available() else None
 

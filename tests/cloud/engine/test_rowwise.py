@@ -24,12 +24,12 @@ from specsplit.cloud.engine import decoder, kernel_library
 from specsplit.cloud.engine.kernel_forward import KernelForward, PositionTables
 from specsplit.cloud.engine.ragged import Segment
 from specsplit.shared.tiny_families import FAMILIES, make_tiny
+from tests.cloud.engine.conftest import BACKENDS, needs_kernels
 
-pytestmark = pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels")
+pytestmark = needs_kernels
 
 THREADS = (1, 3, 4, 8)
 ROWS = range(1, 18)
-BACKENDS = kernel_library.supported_backends() if kernel_library.available() else []
 QWEN = dict(hidden=1536, intermediate=8960, heads=12, kv_heads=2, head_dim=128, vocab=151936)
 GEMMA = dict(hidden=2304, intermediate=9216, heads=8, kv_heads=4, head_dim=256, vocab=256000)
 WIDTHS = {"qwen": QWEN, "gemma": GEMMA}
