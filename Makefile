@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 KERNELS_STAMP := $(VENV)/.kernels
-KERNEL_SRC := $(wildcard cloud/engine/cpu_*.c) cloud/engine/cpu_kernels.h cloud/engine/cpu_kernels.py
+KERNEL_SRC := $(wildcard cloud/engine/cpu_*.c) cloud/engine/cpu_kernels.h cloud/engine/kernel_library.py
 PROTO_SRC := $(wildcard proto/specsplit/v1/*.proto)
 STUBS := proto/specsplit/v1/*_pb2*.py*
 

@@ -186,21 +186,12 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
         by_class = {c: [r for r in recs if r["class"] == c] for c in ("code", "prose")}
         prompt_ms, decode = prompt_and_decode(recs)
         out.append(
-            {
-                "key": key,
-                "setup": label(key),
-                "cores": ",".join(map(str, recs[0]["cores"])),
-                "weights": weights(recs),
-                "tok_s": tok_s(recs),
-                "vs_llama": _ratio(rows, key, llama_peer(key, rows)),
-                "vs_cloud_only": _ratio(rows, key, cloud_only_peer(key, rows)),
+            _setup_summary(rows, key)
+            | {
                 "code": tok_s(by_class["code"]) if by_class["code"] else None,
                 "prose": tok_s(by_class["prose"]) if by_class["prose"] else None,
-                "tokens": sum(r["new_tokens"] for r in recs),
-                "acceptance": acceptance(recs),
                 "prompt_ms": prompt_ms,
                 "decode": decode,
-                "same": agreement(recs, rows.get(REFERENCE, [])),
             }
         )
     return out
@@ -209,22 +200,25 @@ def summary(rows: dict[str, list[dict]]) -> list[dict]:
 def concurrent_summary(rows: dict[str, list[dict]]) -> list[dict]:
     """The concurrent table's rows: llama.cpp's slots first, then specsplit's sessions."""
     keys = sorted((k for k in rows if is_concurrent(k)), key=lambda k: (k[0] != "l", k))
-    return [
-        {
-            "key": k,
-            "setup": label(k),
-            "cores": ",".join(map(str, rows[k][0]["cores"])),
-            "weights": weights(rows[k]),
-            "tok_s": tok_s(rows[k]),
-            "vs_llama": _ratio(rows, k, llama_peer(k, rows)),
-            "vs_cloud_only": _ratio(rows, k, cloud_only_peer(k, rows)),
-            "per_request": per_request_tok_s(rows[k]),
-            "tokens": sum(r["new_tokens"] for r in rows[k]),
-            "acceptance": acceptance(rows[k]),
-            "same": agreement(rows[k], rows.get(REFERENCE, [])),
-        }
-        for k in keys
-    ]
+    return [_setup_summary(rows, k) | {"per_request": per_request_tok_s(rows[k])} for k in keys]
+
+
+def _setup_summary(rows: dict[str, list[dict]], key: str) -> dict:
+    """What every table says of the setup ``key``: its name, cores, weights, tok/s and the
+    ratios to its peers, new tokens, acceptance and agreement with specsplit cloud-only."""
+    recs = rows[key]
+    return {
+        "key": key,
+        "setup": label(key),
+        "cores": ",".join(map(str, recs[0]["cores"])),
+        "weights": weights(recs),
+        "tok_s": tok_s(recs),
+        "vs_llama": _ratio(rows, key, llama_peer(key, rows)),
+        "vs_cloud_only": _ratio(rows, key, cloud_only_peer(key, rows)),
+        "tokens": sum(r["new_tokens"] for r in recs),
+        "acceptance": acceptance(recs),
+        "same": agreement(recs, rows.get(REFERENCE, [])),
+    }
 
 
 def _num(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -243,21 +237,10 @@ def markdown_table(summ: list[dict]) -> str:
         "decode tok/s", "new tokens", "acceptance", "greedy output = specsplit cloud-only",
     )  # fmt: skip
     lines = [
-        (
-            str(i),
-            s["setup"],
-            s["cores"],
-            s["weights"],
-            f"**{s['tok_s']:.2f}**",
-            _num(s["vs_llama"], "{:.2f}×"),
-            _num(s["vs_cloud_only"], "{:.2f}×"),
-            _num(s["code"]),
-            _num(s["prose"]),
-            _num(s["prompt_ms"], "{:.0f}"),
-            _num(s["decode"]),
-            str(s["tokens"]),
-            _num(s["acceptance"]),
-            s["same"],
+        _row(
+            i,
+            s,
+            (_num(s["code"]), _num(s["prose"]), _num(s["prompt_ms"], "{:.0f}"), _num(s["decode"])),
         )
         for i, s in enumerate(summ, 1)
     ]
@@ -270,23 +253,15 @@ def concurrent_table(summ: list[dict]) -> str:
         "× specsplit cloud-only", "tok/s per request", "new tokens", "acceptance",
         "greedy output = specsplit cloud-only",
     )  # fmt: skip
-    lines = [
-        (
-            str(i),
-            s["setup"],
-            s["cores"],
-            s["weights"],
-            f"**{s['tok_s']:.2f}**",
-            _num(s["vs_llama"], "{:.2f}×"),
-            _num(s["vs_cloud_only"], "{:.2f}×"),
-            _num(s["per_request"]),
-            str(s["tokens"]),
-            _num(s["acceptance"]),
-            s["same"],
-        )
-        for i, s in enumerate(summ, 1)
-    ]
-    return _table(head, lines)
+    return _table(head, [_row(i, s, (_num(s["per_request"]),)) for i, s in enumerate(summ, 1)])
+
+
+def _row(i: int, s: dict, own: tuple[str, ...]) -> tuple[str, ...]:
+    """Row ``i`` of a table of setups (``_setup_summary``'s cells), the table's ``own`` cells
+    after the ratios."""
+    lead = (str(i), s["setup"], s["cores"], s["weights"], f"**{s['tok_s']:.2f}**")
+    ratios = (_num(s["vs_llama"], "{:.2f}×"), _num(s["vs_cloud_only"], "{:.2f}×"))
+    return (*lead, *ratios, *own, str(s["tokens"]), _num(s["acceptance"]), s["same"])
 
 
 def cpu_line(meta: dict) -> str:

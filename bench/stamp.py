@@ -15,10 +15,10 @@ UNKNOWN = "unknown"
 
 
 def cpu_model() -> str:
-    """The CPU's name: ``specsplit.cloud.engine.cpu_kernels.cpu_model`` where the cloud is
+    """The CPU's name: ``specsplit.cloud.engine.kernel_library.cpu_model`` where the cloud is
     installed, else /proc/cpuinfo's model name."""
     try:
-        from specsplit.cloud.engine.cpu_kernels import cpu_model as kernels_cpu_model
+        from specsplit.cloud.engine.kernel_library import cpu_model as kernels_cpu_model
     except ImportError:
         try:
             for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -248,11 +248,11 @@ def _per_client(args: argparse.Namespace) -> int | None:
     return args.sessions_per_client or None
 
 
-# What the target reports at load about its weights (cloud.engine.precision, cpu_kernels,
+# What the target reports at load about its weights (cloud.engine.precision, kernel_library,
 # target), read back from its tritonserver's log: the format chosen, the calibration behind it,
 # why the kernels were missing.
 _REPORTED = re.compile(
-    r" specsplit\.cloud\.engine\.(?:precision|cpu_kernels|target) (?:INFO|WARNING) "
+    r" specsplit\.cloud\.engine\.(?:precision|kernel_library|target) (?:INFO|WARNING) "
     r"((?:target weights by calibration|CPU kernels unavailable|target \S+ on ).*)$"
 )
 
@@ -376,7 +376,7 @@ def kernels(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.cloud.engine import kernel_probe
-    from specsplit.cloud.engine.cpu_kernels import SLOW_FALLBACK, KernelsUnavailable
+    from specsplit.cloud.engine.kernel_library import SLOW_FALLBACK, KernelsUnavailable
 
     if args.threads:
         torch.set_num_threads(args.threads)

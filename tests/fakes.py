@@ -1,5 +1,6 @@
 """Fakes shared by tests: a Triton session that needs no Triton, a slow drafter, an in-process
-gateway around them; and how a test waits for a stream the server ends."""
+gateway around them, a server for a hand-written Generate; and how a test waits for a stream
+the server ends."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
 from specsplit.cloud.gateway.session import ModelLimits
 from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.shared.protocol import SERVICE_NAME, pb
 
 VOCAB = 256
 MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512), "")
@@ -59,6 +61,28 @@ async def gateway(factory=FakeTriton, **kw) -> AsyncIterator[str]:
     finally:
         await server.stop(grace=None)
         await service.close()
+
+
+@contextlib.asynccontextmanager
+async def generate_server(generate) -> AsyncIterator[str]:
+    """A gRPC server on a free port whose one method, Generate, is ``generate`` (an async
+    generator of ServerMessages: a scripted gateway, or a proxy that rewrites a real one's
+    messages); yields its address, stops it on exit."""
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        generate,
+        request_deserializer=pb.ClientMessage.FromString,
+        response_serializer=pb.ServerMessage.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
 
 
 class SlowDrafter:

@@ -10,14 +10,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from specsplit.cloud.engine import cpu_kernels
+from specsplit.cloud.engine import kernel_library
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not cpu_kernels.available(), reason="needs the AVX2 CPU kernels"),
+    pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels"),
 ]
 
 N_NEW = 24

@@ -25,7 +25,7 @@ import ctypes
 import numpy as np
 import torch
 
-from specsplit.cloud.engine import cpu_kernels
+from specsplit.cloud.engine import cpu_kernels, kernel_library
 from specsplit.cloud.engine.kernel_layouts import (
     GROUP,
     KernelWeights,
@@ -214,7 +214,7 @@ def gemm(fmt: str, x: cpu_kernels.QuantizedRows, w: KernelWeights) -> torch.Tens
     if got != expected or not all(t.is_contiguous() for t in w.tensors):
         raise ValueError(f"{fmt} weights of {got} bytes per stream, want {expected}")
     out = torch.empty((x.rows, w.n), dtype=torch.float32)
-    lib = cpu_kernels.library()
+    lib = kernel_library.library()
     fn = lib.specsplit_block_gemm if w.backend == "avx2" else lib.specsplit_block_gemm_vnni
     high = w.tensors[1].data_ptr() if fmt == "q5_0" else None
     weights = cpu_kernels.BlockWeights(

@@ -1,5 +1,5 @@
 /* Rotary embedding and attention for the target's ragged passes (compiled with cpu_kernels.c
-into one library by cloud/engine/cpu_kernels.py). Batch-invariant as the matmuls are: work is
+into one library by cloud/engine/kernel_library.py). Batch-invariant as the matmuls are: work is
 split over (row, kv head) pairs, never inside one score's or one output's reduction, so a row's
 result does not depend on the other rows or sessions in the pass, nor on the thread count. */
 #include "cpu_kernels.h"

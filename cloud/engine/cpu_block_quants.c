@@ -1,5 +1,5 @@
 /* Matmuls over GGUF's block-32 formats (Q8_0, Q5_0, Q4_0) at their own widths: one float16
-scale per group of 32 weights, no super-block scale. Part of the library cpu_kernels.py builds;
+scale per group of 32 weights, no super-block scale. Part of the library kernel_library.py builds;
 the batch-invariance contract is cpu_kernels.c's (work split over output columns only, never
 inside one element's reduction; -ffp-contract=off).
 

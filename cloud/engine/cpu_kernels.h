@@ -1,11 +1,11 @@
 /* Shared by the target's CPU kernels (cpu_kernels.c: quantisation and matmuls; cpu_attention.c:
 rotary embedding and attention; cpu_rowwise.c: the float ops between them; cpu_kquants.c and
-cpu_block_quants.c: the GGUF formats), which cloud/engine/cpu_kernels.py compiles into one
+cpu_block_quants.c: the GGUF formats), which cloud/engine/kernel_library.py compiles into one
 library. The batch-invariance contract and the weight formats are described at
 the top of cpu_kernels.c.
 
 Every function the library exports is declared here, so the compiler checks each definition
-against its prototype; cpu_kernels.py's ctypes table (_SIGNATURES, _RETURNS) must agree with
+against its prototype; kernel_library.py's ctypes table (_SIGNATURES, _RETURNS) must agree with
 these prototypes (tests/cloud/engine/test_cpu_kernels.py parses them and checks). */
 
 #ifndef SPECSPLIT_CPU_KERNELS_H
@@ -89,6 +89,15 @@ typedef struct {
     float *x;
     int64_t rows, stride, heads, head_stride, dim;
 } specsplit_heads;
+
+/* A residual add's inputs (cpu_rowwise.c's specsplit_residual_add): x and y [m, k], rows
+   contiguous, k a multiple of 8; w [k] and eps normalise y first, w NULL: plain x + y. */
+typedef struct {
+    const float *x, *y; /* the residual stream and a layer's branch */
+    int64_t m, k;
+    const float *w; /* the branch's RMSNorm weight, or NULL */
+    float eps;
+} specsplit_residual_args;
 
 /* ---- cpu_kernels.c ---- */
 int specsplit_has_avx2(void);
@@ -236,8 +245,7 @@ void specsplit_act_mul_quantize(const float *gu, int act, const specsplit_rows *
    stride, rows out_stride floats apart. */
 void specsplit_rmsnorm(const specsplit_heads *x, const float *w, float eps, float *out,
                        int64_t out_stride, int nt);
-void specsplit_residual_add(const float *x, const float *y, int64_t M, int64_t K, const float *w,
-                            float eps, float *out, int nt);
+void specsplit_residual_add(const specsplit_residual_args *args, float *out, int nt);
 void specsplit_soft_cap(const float *x, int64_t n, float cap, float *out, int nt);
 
 #endif

@@ -1,7 +1,7 @@
 /* Row-wise float ops between the target's kernels (compiled with cpu_kernels.c and
-cpu_attention.c into one library by cloud/engine/cpu_kernels.py): the MLP activation act(gate) * up
-fused into the activation quantisation, RMSNorm, residual adds (with the added branch's RMSNorm,
-Gemma's post norms) and tanh soft-caps.
+cpu_attention.c into one library by cloud/engine/kernel_library.py): the MLP activation
+act(gate) * up fused into the activation quantisation, RMSNorm, residual adds (with the added
+branch's RMSNorm, Gemma's post norms) and tanh soft-caps.
 
 Contract (cpu_kernels.c's): every output element is computed by one fixed sequence of float
 operations that reads its own row only, whatever the rows in the call and the thread count. So:
@@ -11,7 +11,8 @@ operations that reads its own row only, whatever the rows in the call and the th
   counts;
 - a reduction (RMSNorm's sum of squares) runs within one row: 8 lanes in index order, then hsum8;
 - threads split over rows (elementwise ops: over whole vectors), never inside a row's reduction.
-Build with -ffp-contract=off (cpu_kernels.py does) so that no multiply-add is fused on its own. */
+Build with -ffp-contract=off (kernel_library.py does) so that no multiply-add is fused on its
+own. */
 #include "cpu_kernels.h"
 
 /* 1 / (1 + e^-z) through e = e^-|z| <= 1, so nothing overflows: 1 / (1 + e) for z >= 0,
@@ -108,8 +109,10 @@ void specsplit_rmsnorm(const specsplit_heads *heads, const float *w, float eps, 
 /* out[M, K] = x + y, or x + RMSNorm(y) (weight w [K], eps) where w != NULL: the residual
    stream plus a layer's branch (Gemma normalises its branches first). out may be x.
    K a multiple of 8. */
-void specsplit_residual_add(const float *x, const float *y, int64_t M, int64_t K, const float *w,
-                            float eps, float *out, int nt) {
+void specsplit_residual_add(const specsplit_residual_args *args, float *out, int nt) {
+    const float *x = args->x, *y = args->y, *w = args->w;
+    const int64_t M = args->m, K = args->k;
+    const float eps = args->eps;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M * K >= 65536)
     for (int64_t r = 0; r < M; r++) {
         const float *a = x + r * K, *b = y + r * K;

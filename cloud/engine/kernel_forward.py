@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine import decoder, quant_cache
+from specsplit.cloud.engine import decoder, kernel_library, quant_cache
 from specsplit.cloud.engine.decoder import check_supported
 from specsplit.cloud.engine.gguf_weights import Embedding, GgufWeights
 from specsplit.cloud.engine.huge_pages import copy_into_huge_pages, release_freed_memory
@@ -304,7 +304,7 @@ class KernelForward:
             "%s weights on the %s kernels, matmuls by format %s (4-bit source: %s): "
             "%.0f MB read per one-row pass%s",
             weights,
-            kernels.backend(),
+            kernel_library.backend(),
             dict(used),
             four_bit,
             self.bytes / 1e6,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
+from specsplit.cloud.engine import kernel_library
 from specsplit.cloud.engine.kernel_layouts import LANES
 
 # Linux's names for the features the kernels use (/proc/cpuinfo), in the order reported.
@@ -29,7 +30,7 @@ class Report:
     compiler: str  # the first line of its --version
     cpu: str  # the CPU's model name
     features: tuple[str, ...]  # of FEATURES, those the CPU has (empty: flags unknown)
-    backend: str  # the matmul kernel a target would use (cpu_kernels.backend())
+    backend: str  # the matmul kernel a target would use (kernel_library.backend())
     backends: tuple[str, ...]  # those this CPU runs
     threads: int
     gemm_bytes: int  # weight bytes one probe gemm reads
@@ -72,19 +73,19 @@ def gemm_rate(n: int = PROBE_N, k: int = PROBE_K, seconds: float = PROBE_S) -> t
 
 def run() -> Report:
     """Builds the library if it is not built, loads it and times a gemm; raises
-    ``cpu_kernels.KernelsUnavailable`` (with the reason) where the kernels cannot run."""
-    path, built_s = kernels.build(ahead=True)
-    kernels.library()
-    flags = kernels.cpu_features() or frozenset()
+    ``kernel_library.KernelsUnavailable`` (with the reason) where the kernels cannot run."""
+    path, built_s = kernel_library.build(ahead=True)
+    kernel_library.library()
+    flags = kernel_library.cpu_features() or frozenset()
     nbytes, best = gemm_rate()
     return Report(
         library=str(path),
         built_s=built_s,
-        compiler=kernels.compiler().version.splitlines()[0],
-        cpu=kernels.cpu_model(),
+        compiler=kernel_library.compiler().version.splitlines()[0],
+        cpu=kernel_library.cpu_model(),
         features=tuple(f for f in FEATURES if f in flags),
-        backend=kernels.backend(),
-        backends=tuple(kernels.supported_backends()),
+        backend=kernel_library.backend(),
+        backends=tuple(kernel_library.supported_backends()),
         threads=torch.get_num_threads(),
         gemm_bytes=nbytes,
         gemm_s=best,

@@ -38,7 +38,15 @@ import numpy as np
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine.kernel_layouts import GROUP, LANES, KernelWeights, int4_levels, paired
+from specsplit.cloud.engine import kernel_library
+from specsplit.cloud.engine.kernel_layouts import (
+    BACKENDS,
+    GROUP,
+    LANES,
+    KernelWeights,
+    int4_levels,
+    paired,
+)
 
 FORMATS = ("q4_k", "q5_k", "q6_k")
 SUPER = 256  # values per super-block (ggml's QK_K)
@@ -335,7 +343,7 @@ def pack(fmt: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> KQuantWei
     elif backend == "avx512vnni":
         packed = _pack_vnni(fmt, tensors, q)
     else:
-        raise ValueError(f"unknown kernel backend {backend!r}; one of {kernels.BACKENDS}")
+        raise ValueError(f"unknown kernel backend {backend!r}; one of {BACKENDS}")
     tensors = tuple(t.contiguous() for t in packed)
     return KQuantWeights(backend, _LEVEL_BITS[fmt], n, k, tensors, fmt)
 
@@ -368,7 +376,7 @@ def gemm(fmt: str, x: kernels.QuantizedRows, w: KQuantWeights) -> torch.Tensor:
         scratch = torch.empty((x.rows, x.k // 16), dtype=torch.int32)
     rows = x.c_rows(scratch)
     weights = w.c_weights
-    lib = kernels.library()
+    lib = kernel_library.library()
     fn = lib.specsplit_kq_gemm if w.backend == "avx2" else lib.specsplit_kq_gemm_vnni
     fn.restype = ctypes.c_int
     if fn(ctypes.byref(rows), ctypes.byref(weights), out.data_ptr(), torch.get_num_threads()):

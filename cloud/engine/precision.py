@@ -75,10 +75,10 @@ def _mlp_timer(fmt: str, hidden: int, intermediate: int, gguf_mlp: tuple[str, st
     down = torch.randn(hidden, intermediate) * 0.02
     if fmt == "gguf":
         from specsplit.cloud.engine import cpu_kernels as kernels
-        from specsplit.cloud.engine import formats
+        from specsplit.cloud.engine import formats, kernel_library
         from specsplit.cloud.engine.gguf_weights import synthetic
 
-        backend = kernels.backend()
+        backend = kernel_library.backend()
         up_fmt, down_fmt = gguf_mlp
         wu = formats.pack(up_fmt, backend, synthetic(up_fmt, 2 * intermediate, hidden))
         wd = formats.pack(down_fmt, backend, synthetic(down_fmt, hidden, intermediate))
@@ -133,9 +133,9 @@ def calibrate(
 
 def kernels_misfit(config) -> str | None:
     """Why the CPU kernels cannot serve a model of ``config`` on this machine, or None."""
-    from specsplit.cloud.engine import cpu_kernels, decoder
+    from specsplit.cloud.engine import cpu_kernels, decoder, kernel_library
 
-    reason = cpu_kernels.unavailable()
+    reason = kernel_library.unavailable()
     if reason is None and not cpu_kernels.fits(config):
         reason = (
             f"its widths (hidden {config.hidden_size}, intermediate "
@@ -173,7 +173,7 @@ def choose(
         return "float", resolve_dtype(dtype, device)
     misfit = kernels_misfit(config)
     if misfit is not None:
-        from specsplit.cloud.engine.cpu_kernels import SLOW_FALLBACK
+        from specsplit.cloud.engine.kernel_library import SLOW_FALLBACK
 
         log.warning("--weights auto serves float: %s; %s", misfit, SLOW_FALLBACK)
     gguf_mlp = None

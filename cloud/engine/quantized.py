@@ -18,7 +18,7 @@ import logging
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine import decoder, formats
+from specsplit.cloud.engine import decoder, formats, kernel_library
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class QuantLinear:
     def pack(self, kernel: str | None = None) -> None:
         """Puts the weights in the layout of ``kernel`` [this CPU's] and lets the natural ones
         go (``state`` is no longer available)."""
-        backend = kernel or kernels.backend()
+        backend = kernel or kernel_library.backend()
         self.kernel_parts = [formats.pack(fmt, backend, tensors) for fmt, tensors in self.parts]
         self.parts = []
 

@@ -28,9 +28,9 @@ def test_outside_a_checkout_the_commit_is_unknown(tmp_path):
 
 
 def test_the_cpu_is_the_kernels_cpu_model(monkeypatch):
-    from specsplit.cloud.engine import cpu_kernels
+    from specsplit.cloud.engine import kernel_library
 
-    monkeypatch.setattr(cpu_kernels, "cpu_model", lambda: "Some CPU")
+    monkeypatch.setattr(kernel_library, "cpu_model", lambda: "Some CPU")
     assert stamp.cpu_model() == "Some CPU"
     assert stamp.stamp()["cpu"] == "Some CPU"
 

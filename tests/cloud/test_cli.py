@@ -11,6 +11,7 @@ import pytest
 
 from specsplit.cloud import cli
 from specsplit.cloud.cli import target_report
+from specsplit.cloud.engine import kernel_library
 from specsplit.shared.weights.sources import SourceError
 
 
@@ -33,7 +34,7 @@ def _log_as_the_target_does(*records: tuple[str, int, str]) -> str:
 
 def test_the_report_holds_the_calibration_the_choice_and_the_kernels_reason():
     log = _log_as_the_target_does(
-        ("specsplit.cloud.engine.cpu_kernels", logging.INFO, "CPU kernels unavailable: no cc"),
+        (kernel_library.log.name, logging.INFO, "CPU kernels unavailable: no cc"),
         (
             "specsplit.cloud.engine.precision",
             logging.INFO,

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
-from specsplit.shared.protocol import SERVICE_NAME, pb, pb_grpc
-from tests.fakes import SlowDrafter, gateway
+from specsplit.shared.protocol import pb, pb_grpc
+from tests.fakes import SlowDrafter, gateway, generate_server
 
 PROMPT = [1, 2, 3]
 N = 6
@@ -57,19 +57,11 @@ async def _generate(lie, mode: str, window_s: float) -> tuple[list[int], object,
     mode = "split" if session_mode else mode
     async with gateway() as upstream:
         proxy = LyingProxy(upstream, lie)
-        server = grpc.aio.server()
-        handler = grpc.stream_stream_rpc_method_handler(
-            proxy.generate,
-            request_deserializer=pb.ClientMessage.FromString,
-            response_serializer=pb.ServerMessage.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
-        )
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
         try:
-            async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
+            async with (
+                generate_server(proxy.generate) as address,
+                SplitClient(address, SlowDrafter(0.0)) as client,
+            ):
                 cfg = GenerationConfig(
                     max_new_tokens=N, draft_tokens=2, retry_window_s=window_s,
                     **({"session_mode": session_mode} if session_mode else {}),
@@ -80,7 +72,6 @@ async def _generate(lie, mode: str, window_s: float) -> tuple[list[int], object,
                 except SpecsplitError as e:
                     return e, gen.stats, proxy.calls
         finally:
-            await server.stop(None)
             await proxy.channel.close()
 
 

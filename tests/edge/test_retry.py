@@ -9,8 +9,8 @@ import pytest
 
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.retry import Backoff, refused_at_handshake, retry_after_s
-from specsplit.shared.protocol import PROTOCOL_VERSION, SERVICE_NAME, pb
-from tests.fakes import MODEL, SlowDrafter
+from specsplit.shared.protocol import PROTOCOL_VERSION, pb
+from tests.fakes import MODEL, SlowDrafter, generate_server
 
 
 def test_backoff_doubles_up_to_its_cap_and_ends_with_the_window(monkeypatch):
@@ -118,23 +118,12 @@ class FinalThenBreak:
 
 
 async def _run_against(servicer, mode: str) -> tuple[list[int], object]:
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.generate,
-        request_deserializer=pb.ClientMessage.FromString,
-        response_serializer=pb.ServerMessage.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
-            gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), mode=mode)
-            return await gen.collect(), gen.stats
-    finally:
-        await server.stop(None)
+    async with (
+        generate_server(servicer.generate) as address,
+        SplitClient(address, SlowDrafter(0.0)) as client,
+    ):
+        gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), mode=mode)
+        return await gen.collect(), gen.stats
 
 
 @pytest.mark.parametrize("mode", ["split", "cloud-only"])
@@ -160,26 +149,15 @@ def test_unavailable_is_retried_until_the_window_ends():
     servicer = AlwaysUnavailable()
 
     async def run():
-        server = grpc.aio.server()
-        handler = grpc.stream_stream_rpc_method_handler(
-            servicer.generate,
-            request_deserializer=pb.ClientMessage.FromString,
-            response_serializer=pb.ServerMessage.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
-        )
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
-                cfg = GenerationConfig(max_new_tokens=4, retry_window_s=1.0)
-                gen = client.generate([1, 2, 3], cfg, mode="cloud-only")
-                with pytest.raises(SpecsplitError) as err:
-                    await gen.collect()
-                return err.value, gen.stats
-        finally:
-            await server.stop(None)
+        async with (
+            generate_server(servicer.generate) as address,
+            SplitClient(address, SlowDrafter(0.0)) as client,
+        ):
+            cfg = GenerationConfig(max_new_tokens=4, retry_window_s=1.0)
+            gen = client.generate([1, 2, 3], cfg, mode="cloud-only")
+            with pytest.raises(SpecsplitError) as err:
+                await gen.collect()
+            return err.value, gen.stats
 
     error, stats = asyncio.run(run())
     assert error.code == grpc.StatusCode.UNAVAILABLE

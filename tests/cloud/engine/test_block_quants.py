@@ -15,13 +15,13 @@ import torch
 
 from specsplit.cloud.engine import block_quants as bq
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine.kernel_layouts import paired
+from specsplit.cloud.engine import kernel_library
 from specsplit.shared.steps import cache_dir
 from specsplit.shared.weights.sources import DRAFT_DEFAULT
+from tests.cloud.engine.conftest import BACKENDS, natural, needs_kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
+pytestmark = needs_kernels
 
-BACKENDS = kernels.supported_backends() if kernels.available() else []
 QTYPE = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q5_0": gguf.GGMLQuantizationType.Q5_0,
@@ -41,10 +41,6 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     d.reshape(-1)[: len(EXTREME_D)] = EXTREME_D
     blocks[..., :2] = d[..., None].view(np.uint8).reshape(n, k // 32, 2)
     return blocks.reshape(n, -1)
-
-
-def natural(rows: kernels.QuantizedRows) -> torch.Tensor:
-    return paired(rows.xq) if rows.backend == "avx2" else rows.xq
 
 
 @cache
@@ -171,11 +167,11 @@ def test_bad_blocks_and_mismatched_weights_are_refused():
 
 def test_the_ctypes_table_matches_the_header():
     """The block-32 functions' prototypes in cpu_kernels.h, as ctypes reads them."""
-    header = kernels.HEADER.read_text()
+    header = kernel_library.HEADER.read_text()
     ctype = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
     for name in ("specsplit_block_gemm", "specsplit_block_gemm_vnni"):
         match = re.search(rf"void {name}\(([^)]*)\);", header)
-        assert match, f"{name} is not declared in {kernels.HEADER.name}"
+        assert match, f"{name} is not declared in {kernel_library.HEADER.name}"
         params = [" ".join(p.split()) for p in match.group(1).split(",")]
         want = [ctypes.c_void_p if "*" in p else ctype[p.rsplit(" ", 1)[0]] for p in params]
-        assert kernels._SIGNATURES[name] == want
+        assert kernel_library._SIGNATURES[name] == want

@@ -1,13 +1,11 @@
-"""cloud/engine/cpu_kernels.py's build and load: the library is built ahead (``specsplit-cloud
-kernels``) from every cpu_*.c, keyed by its sources, flags and compiler, loaded only from a
-directory of this user's, never where the CPU cannot run it, and loudly unavailable otherwise;
-its ctypes table agrees with cpu_kernels.h; QuantizedRows keeps what C reads alive."""
+"""cloud/engine/cpu_kernels.py against cpu_kernels.h: the ctypes prototypes
+(``kernel_library._SIGNATURES``) and parameter structs (``STRUCTS``) agree with the header, every
+exported function is declared there, the C sources are formatted; QuantizedRows keeps what C
+reads alive."""
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import re
 import shutil
 import subprocess
@@ -18,214 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsplit.cloud.engine import cpu_kernels as kernels
+from specsplit.cloud.engine import cpu_kernels, kernel_library
+from tests.cloud.engine.conftest import needs_kernels
 
-HEADER = kernels.HEADER
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
-BUILT = kernels.build()[0] if kernels.available() else None  # the real library, built ahead
-
-
-@pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """The kernels' cached state cleared (and cleared again after), with the library's
-    directory in tmp_path/kernels; ctypes.CDLL fails the test unless a test allows it."""
-
-    cached = (kernels.library, kernels.unavailable, kernels.backend, kernels.compiler)
-
-    def clear():
-        for fn in cached:
-            fn.cache_clear()
-
-    clear()
-    monkeypatch.setenv(kernels.DIR_ENV, str(tmp_path / "kernels"))
-
-    def no_loading(path, *args, **kwargs):
-        raise AssertionError(f"loaded {path}")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_loading)
-    yield tmp_path / "kernels"
-    clear()
-
-
-# -- the CPU, checked before anything is built or loaded -------------------------------------
-
-
-def test_not_x86_64_is_unavailable_with_a_warning_of_the_cost(fresh, monkeypatch, caplog):
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(kernels, "_compile", lambda *a: pytest.fail("compiled on arm64"))
-    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
-        assert not kernels.available()
-    [record] = [r for r in caplog.records if r.name == kernels.__name__]
-    assert record.levelno == logging.WARNING
-    message = record.getMessage()
-    assert "x86-64, not aarch64" in message
-    assert "10x slower" in message and "bit-exact under batching" in message
-    assert not fresh.exists()  # nothing built, nothing loaded
-
-
-def test_windows_names_x86_64_amd64(monkeypatch):
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "AMD64")
-    monkeypatch.setattr(kernels, "cpu_features", lambda: None)  # no /proc/cpuinfo there
-    kernels.check_cpu()
-
-
-def test_a_cpu_without_avx2_is_refused_before_loading(fresh, monkeypatch, caplog):
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"sse4_2", "fma", "avx"}))
-    with pytest.raises(kernels.KernelsUnavailable, match=r"lacks \['avx2'\]"):
-        kernels.library()
-    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
-        assert kernels.unavailable() and "10x slower" in caplog.text
-
-
-def test_cpu_features_are_read_from_proc_cpuinfo(monkeypatch, tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 fma\n")
-    real_open = open
-    monkeypatch.setattr(
-        "builtins.open", lambda p, *a, **k: real_open(info if p == "/proc/cpuinfo" else p, *a, **k)
-    )
-    assert kernels.cpu_features() == {"fpu", "sse2", "avx2", "fma"}
-    assert kernels.cpu_model() == "Some CPU"
-
-
-def test_no_compiler_is_unavailable(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
-    with pytest.raises(kernels.KernelsUnavailable, match="no C compiler"):
-        kernels.library()
-
-
-# -- the build: what it compiles, its key, its timeout ---------------------------------------
-
-
-def test_every_cpu_c_file_is_compiled():
-    here = Path(kernels.__file__).parent
-    assert tuple(sorted(here.glob("cpu_*.c"))) == kernels.SOURCES
-    assert {p.name for p in kernels.SOURCES} >= {"cpu_kernels.c", "cpu_attention.c"}
-
-
-def test_the_key_covers_the_compiler_version_and_the_flags(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "compiler", lambda: kernels.Compiler(("cc",), "cc 12.2.0"))
-    base = kernels.library_path()
-    assert base.parent.parent == fresh
-    monkeypatch.setattr(kernels, "compiler", lambda: kernels.Compiler(("cc",), "cc 13.1.0"))
-    newer = kernels.library_path()
-    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-march=native"])
-    flagged = kernels.library_path()
-    assert len({base, newer, flagged}) == 3
-
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
-def test_a_compiler_past_its_timeout_is_unavailable(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    monkeypatch.setattr(kernels, "COMPILE_TIMEOUT_S", 0.001)
-    with pytest.raises(kernels.KernelsUnavailable, match="took longer than 0.001 s"):
-        kernels.build()
-    assert not kernels.library_path().exists()
-
-
-@needs_kernels
-def test_loading_compiles_only_when_nothing_was_built(fresh, monkeypatch, caplog):
-    """A server's load finds the library built ahead and compiles nothing; where nothing was
-    built it builds, with a WARNING that says how to build ahead."""
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    compiled = []
-
-    def fake_compile(cc, dest):
-        compiled.append(dest)
-        shutil.copy(BUILT, dest)
-        os.chmod(dest, 0o755)
-
-    monkeypatch.setattr(kernels, "_compile", fake_compile)
-    loaded = []
-    monkeypatch.setattr(ctypes, "CDLL", lambda path: loaded.append(path) or _FakeLib())
-    with caplog.at_level(logging.INFO, logger=kernels.__name__):
-        kernels.library()
-    assert len(compiled) == 1 and loaded == [str(compiled[0])]
-    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert "at model load" in warning.getMessage()
-    assert "`specsplit-cloud kernels`" in warning.getMessage()
-    kernels.library.cache_clear()
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger=kernels.__name__):
-        kernels.library()
-    assert len(compiled) == 1 and len(loaded) == 2 and not caplog.records
-
-
-class _FakeLib:
-    """Stands for a loaded library: any function, returning 1."""
-
-    def __getattr__(self, name):
-        fn = lambda *args: 1  # noqa: E731
-        return fn
-
-
-# -- where the library may be loaded from -----------------------------------------------------
-
-
-def _planted(fresh: Path, mode: int) -> Path:
-    """A 'library' already in place at library_path(), with ``mode``."""
-    path = kernels.library_path()
-    fresh.mkdir(mode=0o700)
-    path.parent.mkdir(mode=0o700)
-    path.write_bytes(b"\x7fELF not really")
-    os.chmod(path, mode)
-    return path
-
-
-def test_a_group_writable_directory_is_refused(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    fresh.mkdir()
-    os.chmod(fresh, 0o775)
-    with pytest.raises(kernels.UnsafeLibraryPath) as e:
-        kernels.library()
-    assert str(fresh) in str(e.value) and f"chmod go-w {fresh}" in str(e.value)
-    assert kernels.DIR_ENV in str(e.value)
-
-
-def test_a_directory_of_another_user_is_refused(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    fresh.mkdir(mode=0o700)
-    monkeypatch.setattr(os, "geteuid", lambda: os.stat(fresh).st_uid + 1)
-    with pytest.raises(kernels.UnsafeLibraryPath, match="not by this user"):
-        kernels.library()
-
-
-def test_a_world_writable_library_file_is_refused(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    path = _planted(fresh, 0o666)
-    with pytest.raises(kernels.UnsafeLibraryPath) as e:
-        kernels.library()
-    assert str(path) in str(e.value)
-
-
-def test_a_linked_library_file_is_refused(fresh, monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-    path = _planted(fresh, 0o755)
-    elsewhere = tmp_path / "elsewhere.so"
-    path.rename(elsewhere)
-    path.symlink_to(elsewhere)
-    with pytest.raises(kernels.UnsafeLibraryPath, match="not a regular file|neither"):
-        kernels.library()
-
-
-def test_directories_it_creates_are_private_whatever_the_umask(fresh, monkeypatch):
-    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
-
-    def fake_compile(cc, dest):
-        dest.write_bytes(b"")
-        os.chmod(dest, 0o755)
-
-    monkeypatch.setattr(kernels, "_compile", fake_compile)
-    old = os.umask(0o002)
-    try:
-        path, _ = kernels.build()
-    finally:
-        os.umask(old)
-    for p in (fresh, path.parent):
-        assert os.stat(p).st_mode & 0o077 == 0, oct(os.stat(p).st_mode)
+HEADER = kernel_library.HEADER
 
 
 # -- the ctypes table and the header ----------------------------------------------------------
@@ -271,14 +65,14 @@ def test_the_ctypes_table_matches_the_header():
     """Every function in _SIGNATURES is declared in cpu_kernels.h and the other way round,
     with the same argument count and kinds (pointer / int64 / float / int) and return kind."""
     declared = header_prototypes()
-    assert set(kernels._SIGNATURES) == set(declared), (
-        f"only in _SIGNATURES: {sorted(set(kernels._SIGNATURES) - set(declared))}; "
-        f"only in cpu_kernels.h: {sorted(set(declared) - set(kernels._SIGNATURES))}"
+    assert set(kernel_library._SIGNATURES) == set(declared), (
+        f"only in _SIGNATURES: {sorted(set(kernel_library._SIGNATURES) - set(declared))}; "
+        f"only in cpu_kernels.h: {sorted(set(declared) - set(kernel_library._SIGNATURES))}"
     )
-    for name, args in kernels._SIGNATURES.items():
+    for name, args in kernel_library._SIGNATURES.items():
         ret, params = declared[name]
         assert [_ctypes_kind(a) for a in args] == params, name
-        assert _ctypes_kind(kernels._RETURNS.get(name)) == ret, name
+        assert _ctypes_kind(kernel_library._RETURNS.get(name)) == ret, name
 
 
 _STRUCT = re.compile(r"typedef struct \{(.*?)\}\s*(specsplit_\w+)\s*;", re.S)
@@ -324,8 +118,8 @@ def test_the_ctypes_structs_match_the_header():
     """Every parameter struct of cpu_kernels.h has its ctypes twin, field for field in order
     (names and kinds), so C and Python read the same bytes."""
     declared = {n: f for n, f in header_structs().items() if not n.startswith("specsplit_block_q")}
-    assert set(kernels.STRUCTS) == set(declared)
-    for name, struct in kernels.STRUCTS.items():
+    assert set(cpu_kernels.STRUCTS) == set(declared)
+    for name, struct in cpu_kernels.STRUCTS.items():
         fields = [(f, _field_kind(t)) for f, t in struct._fields_]
         assert fields == declared[name], name
 
@@ -343,7 +137,7 @@ def test_the_gguf_block_structs_have_the_readers_sizes():
 @needs_kernels
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
 def test_every_exported_function_is_declared_in_the_header():
-    path, _ = kernels.build()
+    path, _ = kernel_library.build()
     out = subprocess.run(
         ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
     ).stdout
@@ -374,9 +168,9 @@ def test_a_non_contiguous_norm_weight_outlives_the_kernel_call(monkeypatch):
             seen["alive"] = any(ptr == w and ref() is not None for ptr, ref in made)
 
     monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
-    monkeypatch.setattr(kernels, "library", Lib)
+    monkeypatch.setattr(kernel_library, "library", Lib)
     weight = torch.rand(128)[::2]  # [64], strided
-    kernels.QuantizedRows(torch.randn(2, 64), (weight, 1e-6), kernel="avx2")
+    cpu_kernels.QuantizedRows(torch.randn(2, 64), (weight, 1e-6), kernel="avx2")
     assert seen == {"alive": True}
 
 
@@ -384,59 +178,9 @@ def test_a_non_contiguous_norm_weight_outlives_the_kernel_call(monkeypatch):
 def test_a_non_contiguous_norm_weight_gives_the_contiguous_ones_rows():
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(5, 256, generator=gen), torch.rand(512, generator=gen)[::2]
-    a = kernels.QuantizedRows(x, (weight, 1e-6))
-    b = kernels.QuantizedRows(x, (weight.contiguous(), 1e-6))
+    a = cpu_kernels.QuantizedRows(x, (weight, 1e-6))
+    b = cpu_kernels.QuantizedRows(x, (weight.contiguous(), 1e-6))
     assert torch.equal(a.xq, b.xq) and torch.equal(a.xs, b.xs) and torch.equal(a.xsum, b.xsum)
-
-
-# -- specsplit-cloud kernels, a real process -----------------------------------------------
-
-
-def _kernels_cli(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "specsplit.cloud.cli", "kernels", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
-    )
-
-
-@needs_kernels
-def test_the_kernels_command_reports_the_backend_and_bandwidth():
-    done = _kernels_cli({})
-    assert done.returncode == 0, done.stderr
-    lines = dict(line.split(None, 1) for line in done.stdout.splitlines())
-    assert lines["backend"].split()[0] == kernels.backend()
-    assert str(BUILT) in lines["library"]
-    assert "avx2" in lines["cpu"] and re.search(r"= [\d.]+ GB/s on 1 thread", lines["gemm"])
-
-
-def test_the_kernels_command_fails_clearly_where_kernels_cannot_load(tmp_path):
-    unsafe = tmp_path / "shared"
-    unsafe.mkdir()
-    os.chmod(unsafe, 0o777)
-    done = _kernels_cli({kernels.DIR_ENV: str(unsafe)})
-    assert done.returncode == 1
-    try:
-        kernels.check_cpu()
-    except kernels.KernelsUnavailable as e:  # a CPU without kernels says so first
-        assert str(e) in done.stderr
-    else:
-        assert f"refusing to load the CPU kernels from {unsafe}" in done.stderr
-    assert "float weights" in done.stderr
-
-
-def test_the_kernels_build_wherever_the_cpu_and_a_compiler_allow():
-    """Kernel tests skip where the kernels cannot run: on a machine that can run them, a
-    library that fails to build (a broken header, a bad merge) must fail here, not turn every
-    bit-identity test into a skip."""
-    try:
-        kernels.check_cpu()
-        kernels.compiler()
-    except kernels.KernelsUnavailable as e:
-        pytest.skip(f"this machine cannot run the kernels: {e}")
-    assert kernels.unavailable() is None
 
 
 _CLANG_FORMAT = Path(sys.executable).with_name("clang-format")  # the dev extra's pinned one
@@ -445,7 +189,7 @@ _CLANG_FORMAT = Path(sys.executable).with_name("clang-format")  # the dev extra'
 @pytest.mark.skipif(not _CLANG_FORMAT.exists(), reason="needs the dev extra's clang-format")
 def test_the_c_sources_are_formatted():
     """Every cpu_*.c and the header as .clang-format lays them out (`clang-format -i`)."""
-    sources = [str(p) for p in (*kernels.SOURCES, HEADER)]
+    sources = [str(p) for p in (*kernel_library.SOURCES, HEADER)]
     done = subprocess.run(
         [str(_CLANG_FORMAT), "--dry-run", "--Werror", *sources], capture_output=True, text=True
     )

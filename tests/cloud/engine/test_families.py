@@ -62,10 +62,10 @@ def test_the_quantised_engine_is_batch_invariant_and_near_the_float_model(family
     """The same family traits on our CPU kernels: every row's logits are bit for bit those of
     one-row steps whatever shares the pass (what lossless greedy needs), and int8 stays near the
     float model's (a missing norm, window or soft-cap would not)."""
-    from specsplit.cloud.engine import cpu_kernels
+    from specsplit.cloud.engine import kernel_library
     from specsplit.cloud.engine.kernel_forward import KernelForward
 
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("needs the CPU kernels")
     name, path = family
     forward = KernelForward(hf_model(path), weights)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from specsplit.cloud.engine import cpu_kernels, formats
+from specsplit.cloud.engine import formats, kernel_library
 from specsplit.cloud.engine.ragged import Segment
 from specsplit.cloud.engine.target import TargetModel
 from tests.cloud.engine.passes import ragged_passes, stepped_alone
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
+pytestmark = pytest.mark.skipif(not kernel_library.available(), reason="no CPU kernels here")
 
 HIDDEN, INTER, VOCAB, LAYERS = 256, 512, 256, 2
 
@@ -144,14 +144,14 @@ def test_every_kernel_answers_the_same(gguf_dir, monkeypatch):
     """The canonical product on every kernel this CPU runs: the same logits bit for bit."""
     seq = list(range(1, 12))
     logits = []
-    for kernel in cpu_kernels.supported_backends():
-        monkeypatch.setenv(cpu_kernels.BACKEND_ENV, kernel)
-        cpu_kernels.backend.cache_clear()
+    for kernel in kernel_library.supported_backends():
+        monkeypatch.setenv(kernel_library.BACKEND_ENV, kernel)
+        kernel_library.backend.cache_clear()
         forward = TargetModel(gguf_dir, device="cpu", calibrate=False, weights="gguf").forward
         assert forward.layers[0].qkv.kernel_parts[0].backend == kernel
         slot = forward.slots.open(1)
         logits.append(forward([Segment(slot, seq, True)])[0])
-    cpu_kernels.backend.cache_clear()
+    kernel_library.backend.cache_clear()
     assert all(torch.equal(x, logits[0]) for x in logits[1:])
 
 

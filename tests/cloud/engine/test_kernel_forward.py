@@ -12,24 +12,16 @@ import pytest
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine.kernel_layouts import int4_levels, paired, reference_gemm
+from specsplit.cloud.engine import kernel_library
+from specsplit.cloud.engine.kernel_layouts import int4_levels, reference_gemm
 from specsplit.cloud.engine.quantized import grid_share, quantize_int4, quantize_int8
 from specsplit.cloud.engine.ragged import Segment
-from specsplit.cloud.engine.target import Open, SessionParams, TargetModel, Verify
-from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.sampling import SamplingConfig
+from specsplit.cloud.engine.target import Open, TargetModel, Verify
 from specsplit.shared.tiny import make_tiny_qwen2
+from tests.cloud.engine.conftest import BACKENDS, GREEDY, natural, needs_kernels
 from tests.cloud.engine.passes import ragged_passes, stepped_alone
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
-
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
-BACKENDS = kernels.supported_backends() if kernels.available() else []
-
-
-def natural(rows: kernels.QuantizedRows) -> torch.Tensor:
-    """The rows' int8 values in natural order, whatever the kernel's layout."""
-    return paired(rows.xq) if rows.backend == "avx2" else rows.xq
+pytestmark = needs_kernels
 
 
 def dequantised(fmt: str, tensors, k: int) -> torch.Tensor:
@@ -165,26 +157,26 @@ def test_every_kernel_gives_the_same_logits_for_a_whole_model(tiny_dir, monkeypa
     logits = []
     try:
         for backend in BACKENDS:
-            monkeypatch.setenv(kernels.BACKEND_ENV, backend)
-            kernels.backend.cache_clear()
+            monkeypatch.setenv(kernel_library.BACKEND_ENV, backend)
+            kernel_library.backend.cache_clear()
             target = TargetModel(tiny_dir, device="cpu", calibrate=False, weights="int4")
             slot = target.forward.slots.open(1)
             logits.append(target.forward([Segment(slot, [3, 1, 4, 1, 5, 9, 2, 6], True)])[0])
     finally:
-        monkeypatch.delenv(kernels.BACKEND_ENV)
-        kernels.backend.cache_clear()
+        monkeypatch.delenv(kernel_library.BACKEND_ENV)
+        kernel_library.backend.cache_clear()
     assert all(torch.equal(logits[0], other) for other in logits[1:])
 
 
 def test_a_kernel_the_cpu_cannot_run_is_refused(monkeypatch):
-    monkeypatch.setenv(kernels.BACKEND_ENV, "sse2")
-    kernels.backend.cache_clear()
+    monkeypatch.setenv(kernel_library.BACKEND_ENV, "sse2")
+    kernel_library.backend.cache_clear()
     try:
         with pytest.raises(ValueError, match="not one of"):
-            kernels.backend()
+            kernel_library.backend()
     finally:
-        monkeypatch.delenv(kernels.BACKEND_ENV)
-        kernels.backend.cache_clear()
+        monkeypatch.delenv(kernel_library.BACKEND_ENV)
+        kernel_library.backend.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

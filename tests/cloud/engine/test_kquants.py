@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine import kernel_layouts, kquants
+from specsplit.cloud.engine import kernel_layouts, kernel_library, kquants
 from specsplit.shared.steps import cache_dir
 from specsplit.shared.weights.sources import TARGET_DEFAULT
+from tests.cloud.engine.conftest import BACKENDS, natural, needs_kernels
 
 gguf = pytest.importorskip("gguf")
 
-KERNELS = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
-BACKENDS = kernels.supported_backends() if kernels.available() else []
 TYPES = {
     "q4_k": gguf.GGMLQuantizationType.Q4_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K,
@@ -51,10 +50,6 @@ def gguf_blocks(fmt: str, n: int, k: int, seed: int = 0, d=None, dmin=None) -> n
 @pytest.fixture(scope="module")
 def default_gguf():
     return {t.name: t for t in gguf.GGUFReader(DEFAULT_GGUF).tensors}
-
-
-def natural(x: kernels.QuantizedRows) -> torch.Tensor:
-    return kernel_layouts.paired(x.xq) if x.backend == "avx2" else x.xq
 
 
 def expected(fmt: str, x: kernels.QuantizedRows, tensors) -> torch.Tensor:
@@ -105,7 +100,7 @@ def test_malformed_blocks_are_refused():
         kquants.from_gguf("q3_k", np.zeros((2, 110), np.uint8))
 
 
-@KERNELS
+@needs_kernels
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", kquants.FORMATS)
 def test_a_kernel_reads_the_natural_layouts_bytes(fmt, backend):
@@ -130,7 +125,7 @@ def test_natural_tensors_of_the_wrong_dtype_or_shape_are_refused():
         kquants.check("q6_k", (packed[:, :64], high, sc, d))
 
 
-@KERNELS
+@needs_kernels
 def test_q4_k_is_the_int4_product_with_narrower_containers():
     tensors = kquants.from_gguf("q4_k", gguf_blocks("q4_k", n=40, k=512, seed=2))
     packed, sc, d, mn, dm = tensors
@@ -140,7 +135,7 @@ def test_q4_k_is_the_int4_product_with_narrower_containers():
     assert_bits_equal(expected("q4_k", x, tensors), want)
 
 
-@KERNELS
+@needs_kernels
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", kquants.FORMATS)
 def test_every_kernel_computes_the_canonical_product_at_every_row_count(fmt, backend):
@@ -153,7 +148,7 @@ def test_every_kernel_computes_the_canonical_product_at_every_row_count(fmt, bac
         assert_bits_equal(kquants.gemm(fmt, rows, w), expected(fmt, rows, tensors))
 
 
-@KERNELS
+@needs_kernels
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_q6_k_activation_sums_on_the_stack_or_in_a_work_buffer(backend):
     """Up to kquants.LOCAL_SUMS sums per 16 activations the kernel keeps them on its stack;
@@ -175,7 +170,7 @@ def test_q6_k_activation_sums_on_the_stack_or_in_a_work_buffer(backend):
         monkey.undo()
 
 
-@KERNELS
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 3, 4, 8])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", kquants.FORMATS)
@@ -194,7 +189,7 @@ def test_a_row_does_not_depend_on_the_thread_count(fmt, backend, threads):
     assert_bits_equal(got, expected(fmt, rows, tensors))
 
 
-@KERNELS
+@needs_kernels
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", kquants.FORMATS)
 def test_extreme_scales_and_levels_stay_exact(fmt, backend):
@@ -225,7 +220,7 @@ def test_extreme_scales_and_levels_stay_exact(fmt, backend):
     assert_bits_equal(got, expected(fmt, rows, tensors))
 
 
-@KERNELS
+@needs_kernels
 @REAL
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
@@ -246,7 +241,7 @@ def test_real_tensors_of_the_default_gguf(default_gguf, name, count, backend):
     assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
-@KERNELS
+@needs_kernels
 def test_weights_of_another_format_or_kernel_are_refused():
     tensors = kquants.from_gguf("q6_k", gguf_blocks("q6_k", 16, 256))
     w = kquants.pack("q6_k", "avx2", tensors)
@@ -259,7 +254,7 @@ def test_weights_of_another_format_or_kernel_are_refused():
         kquants.pack("q6_k", "neon", tensors)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
+@needs_kernels
 def test_weights_moved_by_replace_point_the_kernel_at_their_new_tensors():
     """The target moves packed weights into huge pages with ``dataclasses.replace``: the C
     struct must follow the new tensors, never the ones let go."""
@@ -268,7 +263,7 @@ def test_weights_moved_by_replace_point_the_kernel_at_their_new_tensors():
     from specsplit.cloud.engine import formats
     from specsplit.cloud.engine.gguf_weights import synthetic
 
-    backend = kernels.backend()
+    backend = kernel_library.backend()
     w = formats.pack("q6_k", backend, synthetic("q6_k", 48, 512))
     x = kernels.QuantizedRows(torch.randn(3, 512), kernel=backend)
     want = formats.gemm(x, w)

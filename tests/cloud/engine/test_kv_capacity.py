@@ -9,21 +9,12 @@ from specsplit.cloud.engine.target import (
     PREFILLING,
     KVCapacityExceeded,
     Open,
-    SessionParams,
     TargetModel,
     Verify,
 )
 from specsplit.cloud.kv_growth import MIN_SLOT
-from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.sampling import SamplingConfig
-from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
-
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_tiny_qwen2(tmp_path_factory.mktemp("t") / "target", seed=0)
+from specsplit.shared.tiny import reference_greedy
+from tests.cloud.engine.conftest import GREEDY
 
 
 def _target(target_dir, slots: int | None = None) -> TargetModel:

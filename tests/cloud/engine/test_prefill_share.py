@@ -15,21 +15,13 @@ from specsplit.cloud.engine.target import (
     Close,
     Open,
     SessionNotFound,
-    SessionParams,
     TargetModel,
     Verify,
 )
-from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.sampling import SamplingConfig
-from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
+from specsplit.shared.tiny import reference_greedy
+from tests.cloud.engine.conftest import GREEDY
 
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
 CHUNK = 64
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_tiny_qwen2(tmp_path_factory.mktemp("t") / "target", seed=0)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from specsplit.cloud.engine import cpu_kernels, quant_cache
+from specsplit.cloud.engine import kernel_library, quant_cache
 from specsplit.cloud.engine.quantized import QuantLinear
 from specsplit.cloud.engine.ragged import Segment
 from specsplit.cloud.engine.target import TargetModel
@@ -101,7 +101,7 @@ def test_an_int8_format_takes_no_4_bit_part():
         quant_cache.check(_state(), quant_cache.Expected(EXPECTED.layers, (40, 64), "int8"))
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the AVX2 CPU kernels")
+@pytest.mark.skipif(not kernel_library.available(), reason="needs the AVX2 CPU kernels")
 def test_a_bad_entry_is_discarded_with_a_warning_and_quantised_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "cache"))
     model_dir = make_tiny_qwen2(tmp_path / "tiny", seed=11)

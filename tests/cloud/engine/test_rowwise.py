@@ -20,16 +20,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specsplit.cloud.engine import cpu_kernels as kernels
-from specsplit.cloud.engine import decoder
+from specsplit.cloud.engine import decoder, kernel_library
 from specsplit.cloud.engine.kernel_forward import KernelForward, PositionTables
 from specsplit.cloud.engine.ragged import Segment
 from specsplit.shared.tiny_families import FAMILIES, make_tiny
+from tests.cloud.engine.conftest import BACKENDS, needs_kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
+pytestmark = needs_kernels
 
 THREADS = (1, 3, 4, 8)
 ROWS = range(1, 18)
-BACKENDS = kernels.supported_backends() if kernels.available() else []
 QWEN = dict(hidden=1536, intermediate=8960, heads=12, kv_heads=2, head_dim=128, vocab=151936)
 GEMMA = dict(hidden=2304, intermediate=9216, heads=8, kv_heads=4, head_dim=256, vocab=256000)
 WIDTHS = {"qwen": QWEN, "gemma": GEMMA}
@@ -228,7 +228,7 @@ def test_the_ctypes_table_matches_the_row_wise_prototypes():
     import ctypes
     import re
 
-    header = kernels.HEADER.read_text()
+    header = kernel_library.HEADER.read_text()
     block = header[header.index("/* row-wise ops") :]
     c_types = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int}
     prototypes = re.findall(r"void (specsplit_\w+)\(([^)]*)\);", block)
@@ -244,7 +244,7 @@ def test_the_ctypes_table_matches_the_row_wise_prototypes():
             ctypes.c_void_p if "*" in p else c_types[p.split()[-2]]
             for p in (" ".join(p.split()) for p in params.split(","))
         ]
-        assert kernels._SIGNATURES[name] == declared, name
+        assert kernel_library._SIGNATURES[name] == declared, name
 
 
 REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "norm", "var", "softmax", "_softmax"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from specsplit.cloud.engine import cpu_kernels, precision
+from specsplit.cloud.engine import kernel_library, precision
 from specsplit.cloud.engine.target import SessionParams, TargetModel
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
@@ -38,7 +38,7 @@ def _no_probe() -> bool:
 
 
 def test_auto_serves_float_where_the_widths_do_not_suit_the_kernels(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernels, "unavailable", lambda: None)
+    monkeypatch.setattr(kernel_library, "unavailable", lambda: None)
     with caplog.at_level(logging.WARNING, logger=precision.__name__):
         fmt, dtype = precision.choose("auto", "auto", CPU, _config(88), _no_probe)
     assert fmt == "float" and dtype in (torch.float32, torch.bfloat16)
@@ -49,7 +49,7 @@ def test_auto_serves_float_where_the_widths_do_not_suit_the_kernels(monkeypatch,
 
 
 def test_auto_serves_float_where_there_are_no_kernels(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "no C compiler (cc/gcc)")
+    monkeypatch.setattr(kernel_library, "unavailable", lambda: "no C compiler (cc/gcc)")
     with caplog.at_level(logging.WARNING, logger=precision.__name__):
         fmt, _ = precision.choose("auto", "auto", CPU, _config(64), _no_probe)
     assert fmt == "float"
@@ -57,7 +57,7 @@ def test_auto_serves_float_where_there_are_no_kernels(monkeypatch, caplog):
 
 
 def test_auto_asks_about_4_bit_grids_only_where_the_kernels_fit(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "unavailable", lambda: None)
+    monkeypatch.setattr(kernel_library, "unavailable", lambda: None)
     monkeypatch.setattr(
         precision, "calibrate", lambda config, q, *_: {q: {1: 0.0}, "float32": {1: 1}}
     )
