@@ -66,14 +66,21 @@ RECLAIM_AFTER_S = 5.0  # default grace: a working edge is silent for one draft +
 RECLAIM_WAIT_S = 2.0  # how long a reclaimed ticket's place and KV are awaited, at most
 
 
+# Refused.reason: what a stream was refused for (the refused-streams metric's label)
+SESSIONS, CLIENT_SESSIONS = "sessions", "client_sessions"  # the server's places, the client's
+KV_BUDGET, CLIENT_KV = "kv_budget", "client_kv"  # the KV budget, the client's KV quota
+TARGET_KV = "target_kv"  # the target's own KV capacity (KV_CAPACITY_EXCEEDED)
+
+
 class Refused(Exception):
     """A stream refused with RESOURCE_EXHAUSTED; ``retry_after_ms`` None: no point retrying
-    here soon (the quota is the client's own streams)."""
+    here soon (the quota is the client's own streams); ``reason``: what ran out."""
 
-    def __init__(self, message: str, retry_after_ms: int | None = None):
+    def __init__(self, message: str, retry_after_ms: int | None = None, reason: str = SESSIONS):
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.reason = reason
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         if self.retry_after_ms is None:
@@ -271,7 +278,8 @@ class Admission:
         if counted is not None and self.per_client and self.streams[counted] >= self.per_client:
             raise Refused(
                 f"this client already holds {self.streams[counted]} sessions, its quota of "
-                f"{self.per_client}; finish one before opening another"
+                f"{self.per_client}; finish one before opening another",
+                reason=CLIENT_SESSIONS,
             )
         if self.open >= self.max_sessions:
             self._make_room(None, places=True, short=0)
@@ -315,7 +323,8 @@ class Admission:
             raise Refused(
                 f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens and a "
                 f"block of {self.max_block}), more than the whole KV budget of "
-                f"{whole / mib:.1f} MiB; use a shorter prompt or another server"
+                f"{whole / mib:.1f} MiB; use a shorter prompt or another server",
+                reason=KV_BUDGET,
             )
         short = self.reserved_bytes + grow * bpt - limit
         if short <= 0:
@@ -329,6 +338,7 @@ class Admission:
             f"tokens), {(free + ticket.kv_bytes) / mib:.1f} of {limit / mib:.1f} "
             f"MiB free for it; retry in {wait_ms} ms{then}, or on another replica",
             retry_after_ms=wait_ms,
+            reason=KV_BUDGET,
         )
 
     def _check_client_quota(self, ticket: Ticket, committed_len: int, slot: int, grow: int):
@@ -342,7 +352,8 @@ class Admission:
         if need > quota:  # no hint: this session alone needs more
             raise Refused(
                 f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens), more "
-                f"than this client's KV quota of {quota / mib:.1f} MiB; use a shorter prompt"
+                f"than this client's KV quota of {quota / mib:.1f} MiB; use a shorter prompt",
+                reason=CLIENT_KV,
             )
         wait_ms = self.retry_after_ms()
         raise Refused(
@@ -350,6 +361,7 @@ class Admission:
             f"{need / mib:.1f} MiB: over its KV quota of {quota / mib:.1f} MiB; finish a "
             f"session, or retry in {wait_ms} ms",
             retry_after_ms=wait_ms,
+            reason=CLIENT_KV,
         )
 
     def _free(self, ticket: Ticket) -> None:
@@ -414,8 +426,9 @@ class Admission:
             have = sum(t.kv_bytes for t in ending)
             victims = [t for t in self.reclaimable(ticket) if t.kv_bytes]
             enough = short
+        reason = SESSIONS if places else KV_BUDGET
         if have >= enough:
-            raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000)
+            raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000, reason)
         chosen = []
         for victim in victims:
             if have >= enough:
@@ -426,7 +439,7 @@ class Admission:
             return
         for victim in chosen:
             self._reclaim(victim)
-        raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000)
+        raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000, reason)
 
     def _reclaim(self, ticket: Ticket) -> None:
         idle_s = time.monotonic() - ticket.active

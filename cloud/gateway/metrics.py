@@ -107,6 +107,23 @@ class ReplicaCollector:
         yield from (up, sessions, failures)
 
 
+class _GateCollector:
+    def __init__(self, gate):
+        self.gate = gate
+
+    def collect(self):
+        yield CounterMetricFamily(
+            f"{PREFIX}_held_streams",
+            "streams held, unread, until their client's retry hint ran out",
+            value=float(self.gate.holds),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_held_streams_now",
+            "streams held now until their client's retry hint runs out",
+            value=float(sum(self.gate.held.values())),
+        )
+
+
 class GatewayMetrics:
     def __init__(self, replicas=None):
         self.registry = reg = CollectorRegistry()
@@ -179,6 +196,12 @@ class GatewayMetrics:
         self.bytes_in = Counter(f"{p}_received_bytes", "client message bytes", registry=reg)
         self.bytes_out = Counter(f"{p}_sent_bytes", "server message bytes", registry=reg)
         self.errors = Counter(f"{p}_errors", "streams ended with an error", ["code"], registry=reg)
+        self.refused_streams = Counter(
+            f"{p}_refused_streams",
+            "streams refused (RESOURCE_EXHAUSTED or UNAUTHENTICATED), by what ran out",
+            ["reason"],
+            registry=reg,
+        )
         self.replicas_up = Gauge(
             f"{p}_triton_replicas_up", "Triton replicas whose target is ready", registry=reg
         )
@@ -278,11 +301,20 @@ class GatewayMetrics:
             gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
             gauge.set_function(lambda attr=attr: float(getattr(admission, attr) or 0))
 
+    def watch_gate(self, gate) -> None:
+        """Streams ``cloud.gateway.retry_gate.RetryGate`` holds to their client's retry hint."""
+        self.registry.register(_GateCollector(gate))
+
     def refused(self, method: str) -> None:
         """A call refused before any handler ran (a missing or wrong bearer token)."""
         if method.endswith("/Generate"):
             self.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc()
             self.sessions.labels("none", "unauthenticated").inc()
+            self.refused_stream("unauthenticated")
+
+    def refused_stream(self, reason: str) -> None:
+        """A stream refused for ``reason`` (``cloud.gateway.admission.Refused.reason``)."""
+        self.refused_streams.labels(reason).inc()
 
     def observe_end(self, stream: _Stream, code: grpc.StatusCode | str | None) -> None:
         if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
