@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from specsplit.cloud.cli import _parser
+from specsplit.cloud.gateway.admission import Admission, KVShape
 from specsplit.cloud.gateway.metrics import GatewayMetrics
+from specsplit.cloud.gateway.retry_gate import RetryGate
 from specsplit.cloud.supervision.probe import _parser as probe_parser
 from specsplit.cloud.supervision.triton import TRITON_KEEPALIVE_FLAGS, BundledTriton, TritonError
 
@@ -290,9 +292,15 @@ def test_envoy_speaks_tls_on_both_hops(rendered):
 
 
 def exported_names() -> set[str]:
+    """Every family the gateway's registry holds, as the service builds it: with its
+    admission's and retry gate's (one replica reported, so that its per-replica ones show)."""
     names = set()
-    no_replicas = SimpleNamespace(replicas=[], up=0)
-    for family in GatewayMetrics(no_replicas).registry.collect():
+    metrics = GatewayMetrics(SimpleNamespace(replicas=[], up=0))
+    admission = Admission(KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4))
+    admission.observe_capacity("triton:8001", 2**30, 0)
+    metrics.watch_admission(admission)
+    metrics.watch_gate(RetryGate())
+    for family in metrics.registry.collect():
         names |= {family.name + s for s in ("", "_total", "_bucket", "_sum", "_count")}
     return names
 

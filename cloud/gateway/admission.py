@@ -208,6 +208,8 @@ class Admission:
         self._reported: dict[str, int] = {}
         # Per replica, from its last start: (KV capacity, bytes other gateways hold there)
         self._capacity: dict[str, tuple[int, int]] = {}
+        # Per replica, as it reported them: (KV capacity, KV bytes every gateway's sessions held)
+        self.reported_kv: dict[str, tuple[int, int]] = {}
         self.max_block = max_block  # a verification block in flight also takes positions
         self.max_sessions = max_sessions  # streams at once, admitted or waiting for their Start
         self.reclaim_after_s = reclaim_after_s
@@ -256,6 +258,7 @@ class Admission:
         if capacity is None or held is None or capacity <= 0 or self.kv is None:
             return
         self._capacity[source] = (capacity, max(held - self.reserved_bytes, 0))
+        self.reported_kv[source] = (capacity, held)
 
     @property
     def capacity_bytes(self) -> int | None:

@@ -107,6 +107,30 @@ class ReplicaCollector:
         yield from (up, sessions, failures)
 
 
+class _TargetKVCollector:
+    """Each replica's KV capacity and what every gateway's sessions hold there, as it reported
+    them with this gateway's last session start on it."""
+
+    def __init__(self, admission):
+        self.admission = admission
+
+    def collect(self):
+        capacity = GaugeMetricFamily(
+            f"{PREFIX}_target_kv_capacity_bytes",
+            "KV memory the target may hold (its report)",
+            labels=["replica"],
+        )
+        held = GaugeMetricFamily(
+            f"{PREFIX}_target_kv_held_bytes",
+            "KV memory every gateway's sessions hold on the target (its last report)",
+            labels=["replica"],
+        )
+        for replica, (cap, all_held) in list(self.admission.reported_kv.items()):
+            capacity.add_metric([replica], float(cap))
+            held.add_metric([replica], float(all_held))
+        yield from (capacity, held)
+
+
 class _GateCollector:
     def __init__(self, gate):
         self.gate = gate
@@ -292,14 +316,22 @@ class GatewayMetrics:
         return step.emitted
 
     def watch_admission(self, admission) -> None:
-        """KV memory as ``cloud.gateway.admission`` counts it, read at scrape time."""
+        """KV memory as ``cloud.gateway.admission`` counts it and as the targets report it,
+        read at scrape time."""
         for name, attr, doc in (
             ("kv_budget_bytes", "budget_bytes", "KV memory sessions may hold (0: no budget)"),
-            ("kv_reserved_bytes", "reserved_bytes", "KV memory admitted sessions reserve"),
+            ("kv_reserved_bytes", "reserved_bytes", "KV memory this gateway's sessions reserve"),
             ("kv_bytes_per_token", "bytes_per_token", "what one KV position counts (the target's)"),
+            (
+                "kv_limit_bytes",
+                "limit_bytes",
+                "KV memory this gateway's sessions may reserve now: the budget, or the targets' "
+                "room left for them where smaller (0: no limit)",
+            ),
         ):
             gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
             gauge.set_function(lambda attr=attr: float(getattr(admission, attr) or 0))
+        self.registry.register(_TargetKVCollector(admission))
 
     def watch_gate(self, gate) -> None:
         """Streams ``cloud.gateway.retry_gate.RetryGate`` holds to their client's retry hint."""
