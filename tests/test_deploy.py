@@ -244,17 +244,23 @@ def test_gateway_requires_tokens_and_tls_from_secrets(rendered):
     assert not [name for kind, name in rendered if kind == "Secret"]
 
 
-def test_the_gateways_share_one_kv_capacity(rendered):
+def test_the_gateways_share_the_kv_capacity_the_target_reports(rendered, tmp_path):
     """Without --kv-budget-mib each gateway admitted half of its own host's RAM, however many
-    gateways shared one Triton and whatever memory its GPU has."""
+    gateways shared one Triton and whatever memory its GPU has; then the manifests divided the
+    GPU's KV capacity among the gateways by hand. Now the gateways (--triton-url) admit against
+    the capacity the target reports, and each client's quota is a share of it."""
+    from specsplit.cloud.cli import _admission
+    from specsplit.shared.tiny import make_tiny_qwen2
+
     gw = container(rendered, "specsplit-gateway")
     args = _parser().parse_args(gw["command"][1:])
-    assert args.kv_budget_mib is not None
-    [capacity] = re.findall(
-        r"KV_CAPACITY_MIB: (\d+)", (DEPLOY / "k8s" / "gateway.yaml").read_text()
-    )
-    replicas = rendered["Deployment", "specsplit-gateway"]["spec"]["replicas"]
-    assert replicas * args.kv_budget_mib <= int(capacity)
+    assert args.triton_url and args.kv_budget_mib is None and args.kv_per_client_mib is None
+    args.target = str(make_tiny_qwen2(tmp_path / "tiny", seed=0))
+    admission = _admission(args, Path(args.target))
+    assert admission.budget_bytes is None and admission.limit_bytes is None
+    admission.observe_capacity("specsplit-triton:8001", 8 * 2**30, 6 * 2**30)
+    assert admission.limit_bytes == 2 * 2**30  # what other gateways leave
+    assert admission.client_kv_quota == 2 * 2**30  # a quarter of the capacity
 
 
 def test_no_quota_is_switched_off(rendered):

@@ -13,12 +13,12 @@ grow to (max_new_tokens, "as many as fit" for an OpenAI request without max_toke
 nothing until it is generated. Bytes are counted at the target's own bytes per position (its
 KV dtype, reported with every session's start; the serve flags' guess until then).
 
-The budget is the sum the target may hold: ``budget_bytes`` (the serve flags'), lowered to what the
-targets can still hold for this gateway as they report with every session's start
-(``observe_capacity``: a target's KV capacity less what other gateways' sessions hold there), so
-gateways sharing a target share its capacity. The target enforces its capacity itself (a growth
-beyond it is refused, retryably); the gateway's count only keeps refusals early and cheap. A
-Start or a growth that would exceed the budget is refused
+The budget is the sum the target may hold: what the targets can still hold for this gateway as
+they report with every session's start (``observe_capacity``: a target's KV capacity less what
+other gateways' sessions hold there), so gateways sharing a target share its capacity; and
+``budget_bytes`` (the serve flags'; None: none of its own) caps it further. The target
+enforces its capacity itself (a growth beyond it is refused, retryably); the gateway's count
+only keeps refusals early and cheap. A Start or a growth that would exceed the budget is refused
 with RESOURCE_EXHAUSTED and a retry hint (after trying the reclaim policy below); a refused
 growth ends its stream, and the edge re-opens from its committed sequence when the hint says
 (nothing the edge holds is lost). A slot larger than the whole budget is refused without a
@@ -26,7 +26,8 @@ hint: waiting cannot help. A reservation is released exactly once, however the s
 
 The cap counts every open stream, admitted or still waiting for its Start. Two quotas cap what
 one client holds at once: its streams, and the KV bytes its sessions reserve (so a few
-max-context streams of one client cannot fill the budget, whatever their count). A client is one
+max-context streams of one client cannot fill the budget, whatever their count): a fixed
+``kv_per_client``, or ``kv_per_client_share`` of the capacity the targets report. A client is one
 bearer token when the port requires tokens, else one peer address
 (``cloud.gateway.security.client_key``; only a digest of the token is kept). A Start or a growth
 over the client's KV quota is refused like one over the budget, with a retry hint while the
@@ -189,6 +190,8 @@ class Admission:
         max_sessions: int = 64,
         reclaim_after_s: float | None = RECLAIM_AFTER_S,  # None: idle streams never yield
         kv_per_client: int | None = None,  # KV bytes one client's sessions may reserve
+        # Without kv_per_client: that quota as this share of the targets' reported capacity
+        kv_per_client_share: float | None = None,
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
@@ -200,7 +203,10 @@ class Admission:
             raise ValueError("sessions per token must be >= 1")
         if kv_per_client is not None and (kv is None or kv_per_client < 1):
             raise ValueError("a per-client KV quota needs the model's KV shape and > 0 bytes")
+        if kv_per_client_share is not None and (kv is None or not 0 < kv_per_client_share <= 1):
+            raise ValueError("a per-client KV share needs the model's KV shape and is in (0, 1]")
         self.kv_per_client = kv_per_client
+        self.kv_per_client_share = None if kv_per_client is not None else kv_per_client_share
         self.client_positions: Counter[str] = Counter()  # per client: its sessions' slots
         self.kv, self.budget_bytes, self.per_client = kv, budget_bytes, per_client
         # What a KV position costs: the flags' guess, then what the targets report (observe_kv)
@@ -273,10 +279,21 @@ class Admission:
         limits = [b for b in (self.budget_bytes, room) if b is not None]
         return min(limits) if limits else None
 
+    @property
+    def client_kv_quota(self) -> int | None:
+        """The KV bytes one client's sessions may reserve: ``kv_per_client``, else its share of
+        what the targets reported they may hold; None: no quota (yet)."""
+        if self.kv_per_client is not None:
+            return self.kv_per_client
+        if self.kv_per_client_share is None or self.capacity_bytes is None:
+            return None
+        return max(1, int(self.capacity_bytes * self.kv_per_client_share))
+
     def enter(self, client: str | None) -> Ticket:
         """A new stream from ``client`` (a digest or an address; None: no quota applies).
         Raises Refused, or Reclaiming while idle streams make room for it."""
         quotas = self.per_client is not None or self.kv_per_client is not None
+        quotas |= self.kv_per_client_share is not None
         counted = client if quotas else None
         if counted is not None and self.per_client and self.streams[counted] >= self.per_client:
             raise Refused(
@@ -301,8 +318,9 @@ class Admission:
     def _reserve(self, ticket: Ticket, committed_len: int) -> None:
         slot = self.slot_for(committed_len)
         grow = slot - ticket.positions
-        if grow > 0 and self.kv_per_client is not None and ticket.client is not None:
-            self._check_client_quota(ticket, committed_len, slot, grow)
+        quota = self.client_kv_quota if grow > 0 and ticket.client is not None else None
+        if quota is not None:
+            self._check_client_quota(ticket, committed_len, slot, grow, quota)
         if grow > 0 and self.limit_bytes is not None:
             self._check_budget(ticket, committed_len, slot, grow)
         if grow > 0:
@@ -344,9 +362,11 @@ class Admission:
             reason=KV_BUDGET,
         )
 
-    def _check_client_quota(self, ticket: Ticket, committed_len: int, slot: int, grow: int):
-        """Raises Refused unless ``grow`` more positions fit the client's KV quota."""
-        bpt, mib, quota = self.bytes_per_token, 2**20, self.kv_per_client
+    def _check_client_quota(
+        self, ticket: Ticket, committed_len: int, slot: int, grow: int, quota: int
+    ) -> None:
+        """Raises Refused unless ``grow`` more positions fit the client's KV ``quota``."""
+        bpt, mib = self.bytes_per_token, 2**20
         held = self.client_positions[ticket.client] * bpt
         if held + grow * bpt <= quota:
             return
