@@ -15,7 +15,8 @@ client that ignores the hint re-sends as soon as it is answered, and gRPC's own 
 (a good part of what reading, decoding and refusing its Start costs) would be spent again and
 again. Past ``max_held`` streams held for one client, a further
 one is refused at once all the same (memory is bounded): RESOURCE_EXHAUSTED with the time left as
-its hint, its messages unread.
+its hint, its messages unread (a grpc.aio client still writing its Start may then report INTERNAL
+instead, ``cloud.gateway.messages.before_refusing``).
 
 A client is keyed as the quotas key it (``cloud.gateway.security.client_key``: its bearer token
 where the port requires tokens, else its peer address); None (a loopback or unix-socket peer: no
