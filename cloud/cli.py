@@ -205,37 +205,50 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
     kv = KVShape.from_dir(
         target, "float32" if args.weights in ("int8", "int4", "gguf") else args.dtype
     )
-    if args.kv_budget_mib is None:
-        budget = default_budget_bytes()
-    elif args.kv_budget_mib > 0:
+    if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
+        raise ValueError("--kv-budget-mib must be > 0")
+    if args.kv_budget_mib is not None:
         budget = int(args.kv_budget_mib * 2**20)
     else:
-        raise ValueError("--kv-budget-mib must be > 0")
-    log.info(
-        "KV budget %.0f MiB, counted at %d bytes a position until the target reports its own",
-        budget / 2**20,
-        kv.bytes_per_token,
-    )
+        # Targets elsewhere (--triton-url) report their KV capacity with every start, and the
+        # gateways sharing them admit against it (Admission.limit_bytes): this host's memory
+        # says nothing of theirs. Targets serve starts on this host: half its memory, as theirs.
+        budget = None if args.triton_url else default_budget_bytes()
+    if budget is None:
+        log.info("KV budget: the capacity the targets report, shared with their other gateways")
+    else:
+        log.info(
+            "KV budget %.0f MiB, counted at %d bytes a position until the target reports its own",
+            budget / 2**20,
+            kv.bytes_per_token,
+        )
     if args.reclaim_idle_after < 0:
         raise ValueError("--reclaim-idle-after must be >= 0")
+    kv_per_client, kv_per_client_share = _kv_per_client(args, budget)
     return Admission(
         kv,
         budget,
         per_client=_per_client(args),
         max_sessions=args.max_sessions,
         reclaim_after_s=args.reclaim_idle_after,
-        kv_per_client=_kv_per_client(args, budget),
+        kv_per_client=kv_per_client,
+        kv_per_client_share=kv_per_client_share,
     )
 
 
-def _kv_per_client(args: argparse.Namespace, budget: int) -> int | None:
-    """The per-client KV quota in bytes: the flag's value, 0 off; by default a quarter of the
-    budget, like the stream quota's quarter of the places."""
+KV_PER_CLIENT_SHARE = 0.25  # the default KV quota's share, like the stream quota's of the places
+
+
+def _kv_per_client(args: argparse.Namespace, budget: int | None) -> tuple[int | None, float | None]:
+    """The per-client KV quota: (bytes, None) from the flag, 0 off; by default a quarter of the
+    budget, or without one (None, a quarter) of the capacity the targets report."""
     if args.kv_per_client_mib is None:
-        return max(1, budget // 4)
+        if budget is None:
+            return None, KV_PER_CLIENT_SHARE
+        return max(1, int(budget * KV_PER_CLIENT_SHARE)), None
     if args.kv_per_client_mib < 0:
         raise ValueError("--kv-per-client-mib must be >= 0")
-    return int(args.kv_per_client_mib * 2**20) or None
+    return int(args.kv_per_client_mib * 2**20) or None, None
 
 
 def _per_client(args: argparse.Namespace) -> int | None:
@@ -484,14 +497,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-budget-mib",
         type=float,
-        help="KV memory the target may hold for admitted sessions; each reserves the KV slot "
-        "it holds, growing as it generates (default: half of this host's available memory)",
+        help="KV memory this gateway's admitted sessions may reserve; each reserves the KV slot "
+        "it holds, growing as it generates. The targets' reported KV capacity, less what other "
+        "gateways hold there, caps it in any case (default: with --triton-url that alone; else "
+        "half of this host's available memory)",
     )
     s.add_argument(
         "--kv-per-client-mib",
         type=float,
         help="KV memory one client's sessions may reserve together (clients as "
-        "--sessions-per-client counts them); 0: no quota (default: a quarter of the KV budget)",
+        "--sessions-per-client counts them); 0: no quota (default: a quarter of the KV budget, "
+        "or without one of the capacity the targets report)",
     )
     s.add_argument(
         "--start-deadline",

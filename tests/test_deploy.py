@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from specsplit.cloud.cli import _parser
+from specsplit.cloud.gateway.admission import Admission, KVShape
 from specsplit.cloud.gateway.metrics import GatewayMetrics
+from specsplit.cloud.gateway.retry_gate import RetryGate
 from specsplit.cloud.supervision.probe import _parser as probe_parser
 from specsplit.cloud.supervision.triton import TRITON_KEEPALIVE_FLAGS, BundledTriton, TritonError
 
@@ -242,17 +244,23 @@ def test_gateway_requires_tokens_and_tls_from_secrets(rendered):
     assert not [name for kind, name in rendered if kind == "Secret"]
 
 
-def test_the_gateways_share_one_kv_capacity(rendered):
+def test_the_gateways_share_the_kv_capacity_the_target_reports(rendered, tmp_path):
     """Without --kv-budget-mib each gateway admitted half of its own host's RAM, however many
-    gateways shared one Triton and whatever memory its GPU has."""
+    gateways shared one Triton and whatever memory its GPU has; then the manifests divided the
+    GPU's KV capacity among the gateways by hand. Now the gateways (--triton-url) admit against
+    the capacity the target reports, and each client's quota is a share of it."""
+    from specsplit.cloud.cli import _admission
+    from specsplit.shared.tiny import make_tiny_qwen2
+
     gw = container(rendered, "specsplit-gateway")
     args = _parser().parse_args(gw["command"][1:])
-    assert args.kv_budget_mib is not None
-    [capacity] = re.findall(
-        r"KV_CAPACITY_MIB: (\d+)", (DEPLOY / "k8s" / "gateway.yaml").read_text()
-    )
-    replicas = rendered["Deployment", "specsplit-gateway"]["spec"]["replicas"]
-    assert replicas * args.kv_budget_mib <= int(capacity)
+    assert args.triton_url and args.kv_budget_mib is None and args.kv_per_client_mib is None
+    args.target = str(make_tiny_qwen2(tmp_path / "tiny", seed=0))
+    admission = _admission(args, Path(args.target))
+    assert admission.budget_bytes is None and admission.limit_bytes is None
+    admission.observe_capacity("specsplit-triton:8001", 8 * 2**30, 6 * 2**30)
+    assert admission.limit_bytes == 2 * 2**30  # what other gateways leave
+    assert admission.client_kv_quota == 2 * 2**30  # a quarter of the capacity
 
 
 def test_no_quota_is_switched_off(rendered):
@@ -290,9 +298,15 @@ def test_envoy_speaks_tls_on_both_hops(rendered):
 
 
 def exported_names() -> set[str]:
+    """Every family the gateway's registry holds, as the service builds it: with its
+    admission's and retry gate's (one replica reported, so that its per-replica ones show)."""
     names = set()
-    no_replicas = SimpleNamespace(replicas=[], up=0)
-    for family in GatewayMetrics(no_replicas).registry.collect():
+    metrics = GatewayMetrics(SimpleNamespace(replicas=[], up=0))
+    admission = Admission(KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4))
+    admission.observe_capacity("triton:8001", 2**30, 0)
+    metrics.watch_admission(admission)
+    metrics.watch_gate(RetryGate())
+    for family in metrics.registry.collect():
         names |= {family.name + s for s in ("", "_total", "_bucket", "_sum", "_count")}
     return names
 

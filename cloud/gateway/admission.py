@@ -13,12 +13,12 @@ grow to (max_new_tokens, "as many as fit" for an OpenAI request without max_toke
 nothing until it is generated. Bytes are counted at the target's own bytes per position (its
 KV dtype, reported with every session's start; the serve flags' guess until then).
 
-The budget is the sum the target may hold: ``budget_bytes`` (the serve flags'), lowered to what the
-targets can still hold for this gateway as they report with every session's start
-(``observe_capacity``: a target's KV capacity less what other gateways' sessions hold there), so
-gateways sharing a target share its capacity. The target enforces its capacity itself (a growth
-beyond it is refused, retryably); the gateway's count only keeps refusals early and cheap. A
-Start or a growth that would exceed the budget is refused
+The budget is the sum the target may hold: what the targets can still hold for this gateway as
+they report with every session's start (``observe_capacity``: a target's KV capacity less what
+other gateways' sessions hold there), so gateways sharing a target share its capacity; and
+``budget_bytes`` (the serve flags'; None: none of its own) caps it further. The target
+enforces its capacity itself (a growth beyond it is refused, retryably); the gateway's count
+only keeps refusals early and cheap. A Start or a growth that would exceed the budget is refused
 with RESOURCE_EXHAUSTED and a retry hint (after trying the reclaim policy below); a refused
 growth ends its stream, and the edge re-opens from its committed sequence when the hint says
 (nothing the edge holds is lost). A slot larger than the whole budget is refused without a
@@ -26,7 +26,8 @@ hint: waiting cannot help. A reservation is released exactly once, however the s
 
 The cap counts every open stream, admitted or still waiting for its Start. Two quotas cap what
 one client holds at once: its streams, and the KV bytes its sessions reserve (so a few
-max-context streams of one client cannot fill the budget, whatever their count). A client is one
+max-context streams of one client cannot fill the budget, whatever their count): a fixed
+``kv_per_client``, or ``kv_per_client_share`` of the capacity the targets report. A client is one
 bearer token when the port requires tokens, else one peer address
 (``cloud.gateway.security.client_key``; only a digest of the token is kept). A Start or a growth
 over the client's KV quota is refused like one over the budget, with a retry hint while the
@@ -66,14 +67,21 @@ RECLAIM_AFTER_S = 5.0  # default grace: a working edge is silent for one draft +
 RECLAIM_WAIT_S = 2.0  # how long a reclaimed ticket's place and KV are awaited, at most
 
 
+# Refused.reason: what a stream was refused for (the refused-streams metric's label)
+SESSIONS, CLIENT_SESSIONS = "sessions", "client_sessions"  # the server's places, the client's
+KV_BUDGET, CLIENT_KV = "kv_budget", "client_kv"  # the KV budget, the client's KV quota
+TARGET_KV = "target_kv"  # the target's own KV capacity (KV_CAPACITY_EXCEEDED)
+
+
 class Refused(Exception):
     """A stream refused with RESOURCE_EXHAUSTED; ``retry_after_ms`` None: no point retrying
-    here soon (the quota is the client's own streams)."""
+    here soon (the quota is the client's own streams); ``reason``: what ran out."""
 
-    def __init__(self, message: str, retry_after_ms: int | None = None):
+    def __init__(self, message: str, retry_after_ms: int | None = None, reason: str = SESSIONS):
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.reason = reason
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         if self.retry_after_ms is None:
@@ -182,6 +190,8 @@ class Admission:
         max_sessions: int = 64,
         reclaim_after_s: float | None = RECLAIM_AFTER_S,  # None: idle streams never yield
         kv_per_client: int | None = None,  # KV bytes one client's sessions may reserve
+        # Without kv_per_client: that quota as this share of the targets' reported capacity
+        kv_per_client_share: float | None = None,
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
@@ -193,7 +203,10 @@ class Admission:
             raise ValueError("sessions per token must be >= 1")
         if kv_per_client is not None and (kv is None or kv_per_client < 1):
             raise ValueError("a per-client KV quota needs the model's KV shape and > 0 bytes")
+        if kv_per_client_share is not None and (kv is None or not 0 < kv_per_client_share <= 1):
+            raise ValueError("a per-client KV share needs the model's KV shape and is in (0, 1]")
         self.kv_per_client = kv_per_client
+        self.kv_per_client_share = None if kv_per_client is not None else kv_per_client_share
         self.client_positions: Counter[str] = Counter()  # per client: its sessions' slots
         self.kv, self.budget_bytes, self.per_client = kv, budget_bytes, per_client
         # What a KV position costs: the flags' guess, then what the targets report (observe_kv)
@@ -201,6 +214,8 @@ class Admission:
         self._reported: dict[str, int] = {}
         # Per replica, from its last start: (KV capacity, bytes other gateways hold there)
         self._capacity: dict[str, tuple[int, int]] = {}
+        # Per replica, as it reported them: (KV capacity, KV bytes every gateway's sessions held)
+        self.reported_kv: dict[str, tuple[int, int]] = {}
         self.max_block = max_block  # a verification block in flight also takes positions
         self.max_sessions = max_sessions  # streams at once, admitted or waiting for their Start
         self.reclaim_after_s = reclaim_after_s
@@ -249,6 +264,7 @@ class Admission:
         if capacity is None or held is None or capacity <= 0 or self.kv is None:
             return
         self._capacity[source] = (capacity, max(held - self.reserved_bytes, 0))
+        self.reported_kv[source] = (capacity, held)
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -263,15 +279,27 @@ class Admission:
         limits = [b for b in (self.budget_bytes, room) if b is not None]
         return min(limits) if limits else None
 
+    @property
+    def client_kv_quota(self) -> int | None:
+        """The KV bytes one client's sessions may reserve: ``kv_per_client``, else its share of
+        what the targets reported they may hold; None: no quota (yet)."""
+        if self.kv_per_client is not None:
+            return self.kv_per_client
+        if self.kv_per_client_share is None or self.capacity_bytes is None:
+            return None
+        return max(1, int(self.capacity_bytes * self.kv_per_client_share))
+
     def enter(self, client: str | None) -> Ticket:
         """A new stream from ``client`` (a digest or an address; None: no quota applies).
         Raises Refused, or Reclaiming while idle streams make room for it."""
         quotas = self.per_client is not None or self.kv_per_client is not None
+        quotas |= self.kv_per_client_share is not None
         counted = client if quotas else None
         if counted is not None and self.per_client and self.streams[counted] >= self.per_client:
             raise Refused(
                 f"this client already holds {self.streams[counted]} sessions, its quota of "
-                f"{self.per_client}; finish one before opening another"
+                f"{self.per_client}; finish one before opening another",
+                reason=CLIENT_SESSIONS,
             )
         if self.open >= self.max_sessions:
             self._make_room(None, places=True, short=0)
@@ -290,8 +318,9 @@ class Admission:
     def _reserve(self, ticket: Ticket, committed_len: int) -> None:
         slot = self.slot_for(committed_len)
         grow = slot - ticket.positions
-        if grow > 0 and self.kv_per_client is not None and ticket.client is not None:
-            self._check_client_quota(ticket, committed_len, slot, grow)
+        quota = self.client_kv_quota if grow > 0 and ticket.client is not None else None
+        if quota is not None:
+            self._check_client_quota(ticket, committed_len, slot, grow, quota)
         if grow > 0 and self.limit_bytes is not None:
             self._check_budget(ticket, committed_len, slot, grow)
         if grow > 0:
@@ -315,7 +344,8 @@ class Admission:
             raise Refused(
                 f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens and a "
                 f"block of {self.max_block}), more than the whole KV budget of "
-                f"{whole / mib:.1f} MiB; use a shorter prompt or another server"
+                f"{whole / mib:.1f} MiB; use a shorter prompt or another server",
+                reason=KV_BUDGET,
             )
         short = self.reserved_bytes + grow * bpt - limit
         if short <= 0:
@@ -329,11 +359,14 @@ class Admission:
             f"tokens), {(free + ticket.kv_bytes) / mib:.1f} of {limit / mib:.1f} "
             f"MiB free for it; retry in {wait_ms} ms{then}, or on another replica",
             retry_after_ms=wait_ms,
+            reason=KV_BUDGET,
         )
 
-    def _check_client_quota(self, ticket: Ticket, committed_len: int, slot: int, grow: int):
-        """Raises Refused unless ``grow`` more positions fit the client's KV quota."""
-        bpt, mib, quota = self.bytes_per_token, 2**20, self.kv_per_client
+    def _check_client_quota(
+        self, ticket: Ticket, committed_len: int, slot: int, grow: int, quota: int
+    ) -> None:
+        """Raises Refused unless ``grow`` more positions fit the client's KV ``quota``."""
+        bpt, mib = self.bytes_per_token, 2**20
         held = self.client_positions[ticket.client] * bpt
         if held + grow * bpt <= quota:
             return
@@ -342,7 +375,8 @@ class Admission:
         if need > quota:  # no hint: this session alone needs more
             raise Refused(
                 f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens), more "
-                f"than this client's KV quota of {quota / mib:.1f} MiB; use a shorter prompt"
+                f"than this client's KV quota of {quota / mib:.1f} MiB; use a shorter prompt",
+                reason=CLIENT_KV,
             )
         wait_ms = self.retry_after_ms()
         raise Refused(
@@ -350,6 +384,7 @@ class Admission:
             f"{need / mib:.1f} MiB: over its KV quota of {quota / mib:.1f} MiB; finish a "
             f"session, or retry in {wait_ms} ms",
             retry_after_ms=wait_ms,
+            reason=CLIENT_KV,
         )
 
     def _free(self, ticket: Ticket) -> None:
@@ -414,8 +449,9 @@ class Admission:
             have = sum(t.kv_bytes for t in ending)
             victims = [t for t in self.reclaimable(ticket) if t.kv_bytes]
             enough = short
+        reason = SESSIONS if places else KV_BUDGET
         if have >= enough:
-            raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000)
+            raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000, reason)
         chosen = []
         for victim in victims:
             if have >= enough:
@@ -426,7 +462,7 @@ class Admission:
             return
         for victim in chosen:
             self._reclaim(victim)
-        raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000)
+        raise Reclaiming("idle sessions are ending to make room", RECLAIM_WAIT_S * 1000, reason)
 
     def _reclaim(self, ticket: Ticket) -> None:
         idle_s = time.monotonic() - ticket.active

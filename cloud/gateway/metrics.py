@@ -107,6 +107,47 @@ class ReplicaCollector:
         yield from (up, sessions, failures)
 
 
+class _TargetKVCollector:
+    """Each replica's KV capacity and what every gateway's sessions hold there, as it reported
+    them with this gateway's last session start on it."""
+
+    def __init__(self, admission):
+        self.admission = admission
+
+    def collect(self):
+        capacity = GaugeMetricFamily(
+            f"{PREFIX}_target_kv_capacity_bytes",
+            "KV memory the target may hold (its report)",
+            labels=["replica"],
+        )
+        held = GaugeMetricFamily(
+            f"{PREFIX}_target_kv_held_bytes",
+            "KV memory every gateway's sessions hold on the target (its last report)",
+            labels=["replica"],
+        )
+        for replica, (cap, all_held) in list(self.admission.reported_kv.items()):
+            capacity.add_metric([replica], float(cap))
+            held.add_metric([replica], float(all_held))
+        yield from (capacity, held)
+
+
+class _GateCollector:
+    def __init__(self, gate):
+        self.gate = gate
+
+    def collect(self):
+        yield CounterMetricFamily(
+            f"{PREFIX}_held_streams",
+            "streams held, unread, until their client's retry hint ran out",
+            value=float(self.gate.holds),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_held_streams_now",
+            "streams held now until their client's retry hint runs out",
+            value=float(sum(self.gate.held.values())),
+        )
+
+
 class GatewayMetrics:
     def __init__(self, replicas=None):
         self.registry = reg = CollectorRegistry()
@@ -179,6 +220,12 @@ class GatewayMetrics:
         self.bytes_in = Counter(f"{p}_received_bytes", "client message bytes", registry=reg)
         self.bytes_out = Counter(f"{p}_sent_bytes", "server message bytes", registry=reg)
         self.errors = Counter(f"{p}_errors", "streams ended with an error", ["code"], registry=reg)
+        self.refused_streams = Counter(
+            f"{p}_refused_streams",
+            "streams refused (RESOURCE_EXHAUSTED or UNAUTHENTICATED), by what ran out",
+            ["reason"],
+            registry=reg,
+        )
         self.replicas_up = Gauge(
             f"{p}_triton_replicas_up", "Triton replicas whose target is ready", registry=reg
         )
@@ -269,20 +316,37 @@ class GatewayMetrics:
         return step.emitted
 
     def watch_admission(self, admission) -> None:
-        """KV memory as ``cloud.gateway.admission`` counts it, read at scrape time."""
+        """KV memory as ``cloud.gateway.admission`` counts it and as the targets report it,
+        read at scrape time."""
         for name, attr, doc in (
             ("kv_budget_bytes", "budget_bytes", "KV memory sessions may hold (0: no budget)"),
-            ("kv_reserved_bytes", "reserved_bytes", "KV memory admitted sessions reserve"),
+            ("kv_reserved_bytes", "reserved_bytes", "KV memory this gateway's sessions reserve"),
             ("kv_bytes_per_token", "bytes_per_token", "what one KV position counts (the target's)"),
+            (
+                "kv_limit_bytes",
+                "limit_bytes",
+                "KV memory this gateway's sessions may reserve now: the budget, or the targets' "
+                "room left for them where smaller (0: no limit)",
+            ),
         ):
             gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
             gauge.set_function(lambda attr=attr: float(getattr(admission, attr) or 0))
+        self.registry.register(_TargetKVCollector(admission))
+
+    def watch_gate(self, gate) -> None:
+        """Streams ``cloud.gateway.retry_gate.RetryGate`` holds to their client's retry hint."""
+        self.registry.register(_GateCollector(gate))
 
     def refused(self, method: str) -> None:
         """A call refused before any handler ran (a missing or wrong bearer token)."""
         if method.endswith("/Generate"):
             self.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc()
             self.sessions.labels("none", "unauthenticated").inc()
+            self.refused_stream("unauthenticated")
+
+    def refused_stream(self, reason: str) -> None:
+        """A stream refused for ``reason`` (``cloud.gateway.admission.Refused.reason``)."""
+        self.refused_streams.labels(reason).inc()
 
     def observe_end(self, stream: _Stream, code: grpc.StatusCode | str | None) -> None:
         if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.gateway.admission import (
     RECLAIM_WAIT_S,
+    TARGET_KV,
     Admission,
     Reclaimed,
     Reclaiming,
@@ -48,6 +49,7 @@ from specsplit.cloud.gateway.messages import (
 )
 from specsplit.cloud.gateway.metrics import GatewayMetrics
 from specsplit.cloud.gateway.replicas import ReplicaSet, parse_urls
+from specsplit.cloud.gateway.retry_gate import RETRY_EARLY, RetryGate
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.security import Security, bearer_token, client_key
 from specsplit.cloud.gateway.session import Code, GatewaySession, ProtocolError
@@ -105,6 +107,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.limits = limits or GatewayLimits()
         self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
         self.metrics.watch_admission(self.admission)
+        self.gate = RetryGate()  # clients told to retry later, until when (every refusal's hint)
+        self.metrics.watch_gate(self.gate)
         self.steps = StepTime(STEPS_KEPT)  # recent target passes, as one-row steps
         self._closing: set[asyncio.Task] = set()  # Triton frees in flight: close() waits
         self._ending: set[asyncio.Future] = set()  # statuses sent from outside a handler
@@ -124,14 +128,17 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
 
     async def Generate(self, requests, context) -> AsyncIterator[pb.ServerMessage]:
         """admit -> open -> Started -> the mode's rounds -> Finished."""
+        client = self._client(context)
         try:
-            client = self._client(context)
+            # A client told to wait (a retry hint) has this stream held until then, unread.
+            refused = await self.gate.hold(client)
+            if refused is not None:
+                raise refused
             ticket = await _admitted(lambda: self.admission.enter(client))
         except Refused as e:
-            await before_refusing(requests)
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.trailing_metadata()
-            )
+            if e.reason != RETRY_EARLY:  # too many held: refused without reading anything
+                await before_refusing(requests)
+            await self._refuse(context, client, e)
         handler = asyncio.current_task()
         ticket.end_stream = lambda code, details: self._end(ticket, handler, context, code, details)
         # the reclaim policy's: only ever while idle (cloud.gateway.admission)
@@ -165,8 +172,12 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     yield pb.ServerMessage(finished=_finished(session))
         except TargetFull as e:  # the target's own KV capacity: as retryable as the budget's
             wait_ms = self.admission.retry_after_ms()
-            await context.abort(*_status(Refused(_target_full(e, wait_ms), wait_ms)))
-        except (Refused, ProtocolError, SessionLost, TritonUnavailable, TritonRequestError) as e:
+            await self._refuse(
+                context, client, Refused(_target_full(e, wait_ms), wait_ms, TARGET_KV)
+            )
+        except Refused as e:
+            await self._refuse(context, client, e)
+        except (ProtocolError, SessionLost, TritonUnavailable, TritonRequestError) as e:
             await context.abort(*_status(e))
         except (asyncio.CancelledError, Reclaimed):
             if not ticket.reclaimed:
@@ -182,6 +193,12 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             self._release(lease, ticket)
         reader = session.reader if session is not None else None  # cloud-led: still reading
         await until_half_close(requests, self.limits.half_close_grace_s, reader)
+
+    async def _refuse(self, context, client: str | None, e: Refused) -> None:
+        """Ends a stream with RESOURCE_EXHAUSTED; its client is held to the retry hint."""
+        self.gate.told(client, e.retry_after_ms)
+        self.metrics.refused_stream(e.reason)
+        await context.abort(*_status(e))
 
     def _end(self, ticket: Ticket, handler: asyncio.Task, context, code, details: str) -> None:
         """Ends a stream from outside its handler: the reclaim policy, a send that stalled."""
@@ -346,6 +363,7 @@ async def _admitted(attempt: Callable[[], T]) -> T:
                     f"server full: idle sessions did not end in time; retry in "
                     f"{e.retry_after_ms} ms, or on another replica",
                     e.retry_after_ms,
+                    e.reason,
                 ) from None
             await asyncio.sleep(RECLAIM_POLL_S)
 

@@ -243,6 +243,23 @@ def test_gateway_quota_per_token():
     assert "quota of 1" in refused.details() and "t1" not in refused.details()
 
 
+def test_without_a_budget_the_client_quota_is_a_share_of_the_reported_capacity():
+    slot = slot_positions(100 + 16) * KV.bytes_per_token
+    admission = Admission(KV, kv_per_client_share=0.25)
+    early = admission.enter("a")
+    early.reserve(100)  # nothing reported yet: no budget, no quota (the target refuses)
+    assert admission.client_kv_quota is None and admission.limit_bytes is None
+    admission.observe_capacity("r1", 8 * slot, slot)  # ours
+    assert admission.client_kv_quota == 2 * slot and admission.limit_bytes == 8 * slot
+    admission.enter("a").reserve(100)
+    with pytest.raises(Refused) as refused:
+        admission.enter("a").reserve(100)
+    assert refused.value.reason == "client_kv" and "KV quota of" in refused.value.message
+    admission.enter("b").reserve(100)  # another client: its own quarter
+    with pytest.raises(ValueError, match="share"):
+        Admission(KV, kv_per_client_share=1.5)
+
+
 def test_serve_flags_build_the_admission(tmp_path):
     from specsplit.cloud.cli import _admission, _parser
 
@@ -268,6 +285,13 @@ def test_serve_flags_build_the_admission(tmp_path):
     assert off.per_client is None and off.reclaim_after_s == 0.5
     with pytest.raises(ValueError, match="kv-budget-mib"):
         _admission(_parser().parse_args(["serve", "--kv-budget-mib", "0"]), model)
+    # Targets elsewhere: their reported capacity is the budget, this host's memory is not.
+    remote = _admission(_parser().parse_args(["serve", "--triton-url", "triton:8001"]), model)
+    assert remote.budget_bytes is None and remote.kv_per_client is None
+    assert remote.kv_per_client_share == 0.25
+    capped = ["serve", "--triton-url", "triton:8001", "--kv-budget-mib", "8"]
+    capped = _admission(_parser().parse_args(capped), model)
+    assert capped.budget_bytes == 8 * MIB and capped.kv_per_client == 2 * MIB
     with pytest.raises(ValueError, match="sessions-per-client"):
         _admission(_parser().parse_args(["serve", "--sessions-per-client", "-1"]), model)
     with pytest.raises(ValueError, match="reclaim-idle-after"):

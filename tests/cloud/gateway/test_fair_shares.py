@@ -1,5 +1,7 @@
 """What one client may cost the gateway besides sessions (issue 39, item 4): a stream without a
-valid token is refused from its metadata, none of its messages read; one connection holds at most
+valid token is refused from its metadata, none of its messages read; a stream whose client
+re-sends before its retry hint is held, unread, until the hint runs out
+(``cloud.gateway.retry_gate``); one connection holds at most
 ``GatewayLimits.max_streams_per_connection`` streams. (The per-client KV quota's accounting is in
 test_admission.py.)"""
 
@@ -10,14 +12,26 @@ import asyncio
 import grpc
 import pytest
 
+from specsplit.cloud.gateway.admission import Admission, KVShape
 from specsplit.cloud.gateway.limits import GatewayLimits
+from specsplit.cloud.gateway.replicas import ReplicaSet
+from specsplit.cloud.gateway.retry_gate import PACE_S, RetryGate
 from specsplit.cloud.gateway.security import Security, TokenAuth
+from specsplit.cloud.gateway.service import SpeculativeService, start_gateway
 from specsplit.cloud.gateway.triton_client import TritonSequence
 from specsplit.shared.acceptance import VerificationMode
-from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
+from specsplit.shared.protocol import (
+    PROTOCOL_VERSION,
+    RETRY_AFTER_KEY,
+    SESSION_MODE_TO_PB,
+    pb,
+    pb_grpc,
+)
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
-from tests.fakes import FakeTriton, gateway
+from tests.fakes import MODEL, NOWHERE, FakeTriton, gateway, stream_end
+
+KV = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # the tiny test model: 512 B
 
 CLOUD_ONLY = pb.ClientMessage(
     start=pb.Start(
@@ -44,10 +58,10 @@ class _Aborted(Exception):
 
 class _Context:
     def __init__(self):
-        self.status = None
+        self.status, self.trailing = None, ()
 
     async def abort(self, code, details, trailing_metadata=()):
-        self.status = code
+        self.status, self.trailing = code, trailing_metadata
         raise _Aborted()
 
 
@@ -182,3 +196,149 @@ def test_a_start_sends_its_client_share():
 class _StartResult:
     def as_numpy(self, name):
         return None
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_gate_remembers_each_clients_retry_hint():
+    clock = _Clock()
+    gate = RetryGate(clock=clock)
+    gate.told("a", 200)
+    gate.told(None, 200)  # no quota applies (a loopback peer): never held
+    gate.told("b", None)  # a refusal without a hint: no gate
+    assert gate.wait_s("a") == pytest.approx(0.2)
+    assert gate.wait_s("b") is None and gate.wait_s(None) is None
+    clock.now += 0.15
+    gate.told("a", 10)  # a shorter hint does not shorten the longer one
+    assert gate.wait_s("a") == pytest.approx(0.05)
+    clock.now += 0.05
+    assert gate.wait_s("a") is None and not gate.not_before
+
+
+def test_a_held_stream_goes_on_once_the_hint_ran_out_and_paces_the_next():
+    async def run():
+        gate = RetryGate()
+        assert await gate.hold("a") is None and gate.holds == 0  # never told: not held
+        gate.told("a", 30)
+        held = asyncio.ensure_future(gate.hold("a"))
+        await asyncio.sleep(0)
+        now = dict(gate.held)
+        assert await held is None
+        return gate, now
+
+    gate, held_meanwhile = asyncio.run(run())
+    assert held_meanwhile == {"a": 1} and gate.holds == 1 and not gate.held
+    assert 0 < gate.wait_s("a") <= PACE_S  # the next held stream follows after this one
+
+
+def test_past_its_held_streams_a_client_is_refused_at_once():
+    async def run():
+        gate = RetryGate(max_held=1)
+        gate.told("a", 5_000)
+        first = asyncio.ensure_future(gate.hold("a"))
+        await asyncio.sleep(0)
+        second = await gate.hold("a")
+        other = await gate.hold("b")
+        first.cancel()
+        return second, other, gate
+
+    refused, other, gate = asyncio.run(run())
+    assert other is None and not gate.held  # a cancelled held stream leaves the count
+    assert refused.reason == "retry_early" and 0 < refused.retry_after_ms <= 5_000
+    assert "re-sent before its retry hint" in refused.message and gate.refused == 1
+
+
+def test_a_peer_held_to_its_hint_is_refused_past_it_without_reading():
+    """Without tokens the client is its address (only the handler sees it): the stream is
+    held, or refused past the gate's bound, before its first message is read."""
+
+    class Peer(_Context):
+        def peer(self):
+            return "ipv4:10.1.2.3:4567"
+
+        def invocation_metadata(self):
+            return ()
+
+    async def run():
+        service = SpeculativeService(ReplicaSet([NOWHERE]), MODEL, sequence_factory=FakeTriton)
+        service.gate.max_held = 0
+        service.gate.told("ipv4:10.1.2.3", 5_000)
+        requests, context = _Watched(), Peer()
+        with pytest.raises(_Aborted):
+            await anext(service.Generate(requests, context))
+        await service.close()
+        return requests.read, context, service
+
+    read, context, service = asyncio.run(run())
+    assert context.status == grpc.StatusCode.RESOURCE_EXHAUSTED and read == 0
+    assert 0 < int(dict(context.trailing)[RETRY_AFTER_KEY]) <= 5_000
+    assert service.admission.open == 0  # never admitted
+
+
+def test_gateway_holds_a_client_to_its_hint_unread_and_serves_others():
+    """A stream refused over its client's KV quota sets the gate; the client's next stream,
+    opened at once, is held without its Start being read, while another token is served; once
+    the hint has run out (and the quota has room) it is served."""
+    # 256 positions a client; reclaim off: the hint is the held session's expected end, long
+    admission = Admission(KV, kv_per_client=256 * KV.bytes_per_token, reclaim_after_s=None)
+    admission.mean_session_s = 20.0
+
+    async def stream(stub, token: str, prompt_len: int):
+        call = stub.Generate(metadata=(("authorization", f"Bearer {token}"),), timeout=60)
+        await call.write(_split_start(prompt_len))
+        return call
+
+    async def until(predicate) -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+    async def run():
+        security = Security(tokens=(b"t1", b"t2"))
+        server, port, service = await start_gateway(
+            NOWHERE, MODEL, sequence_factory=FakeTriton, security=security, admission=admission
+        )
+        m = service.metrics.registry
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.SpeculativeDecodingStub(channel)
+                held = await stream(stub, "t1", 200)  # 256 positions: the client's quota
+                assert (await held.read()).WhichOneof("msg") == "started"
+                over = await stream_end(await stream(stub, "t1", 10))
+                early = await stream(stub, "t1", 10)
+                await until(lambda: m.get_sample_value("specsplit_held_streams_now") == 1)
+                other = await stream(stub, "t2", 10)  # its own quota, no gate
+                served = (await other.read()).WhichOneof("msg")
+                prompt_tokens = m.get_sample_value("specsplit_prompt_tokens_total")
+                for call in (held, other):
+                    call.cancel()
+                await until(lambda: not admission.live)
+                service.gate.not_before.clear()  # the hint ran out
+                late = (await early.read()).WhichOneof("msg")
+                early.cancel()
+                return over, served, prompt_tokens, late, m
+        finally:
+            await server.stop(grace=None)
+            await service.close()
+
+    over, served, prompt_tokens, late, m = asyncio.run(run())
+    assert over[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV quota" in over[1]
+    assert served == "started" and late == "started"
+    assert prompt_tokens == 220  # 200 + 10 + 10: the held stream's Start was not decoded
+    refused = "specsplit_refused_streams_total"
+    assert m.get_sample_value(refused, {"reason": "client_kv"}) == 1
+    assert m.get_sample_value("specsplit_held_streams_total") == 1
+
+
+def _split_start(prompt_len: int) -> pb.ClientMessage:
+    start = pb.Start(
+        protocol_version=PROTOCOL_VERSION,
+        prompt_ids=[1 + i % 3 for i in range(prompt_len)],
+        sampling=pb.SamplingParams(max_new_tokens=8),
+    )
+    return pb.ClientMessage(start=start)

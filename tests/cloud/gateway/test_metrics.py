@@ -274,3 +274,49 @@ def test_edge_per_request_spec_decode_fields():
     assert out["accepted_per_position"] == [2, 1, 1]
     assert out["acceptance_rate_per_position"] == [2 / 3, 1 / 3, 1 / 2]
     assert out["acceptance_histogram"] == [1, 1, 0, 1]
+
+
+def test_kv_capacity_and_refusals_move():
+    """What the target reports (capacity, KV every gateway holds), what this gateway reserves
+    and may reserve, and the streams refused for KV, as sessions come and go."""
+    from specsplit.cloud.gateway.admission import Admission, KVShape, slot_positions
+
+    kv = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)
+    slot = slot_positions(3 + 16) * kv.bytes_per_token  # the prompt's slot: 64 positions
+
+    class Reports(FakeTriton):
+        kv_capacity, kv_held = 10 * slot, 10 * slot  # full: ours and 9 of other gateways
+
+    async def main():
+        admission = Admission(kv, budget_bytes=100 * slot)
+        server, port, service = await start_gateway(
+            NOWHERE, MODEL, sequence_factory=Reports, admission=admission
+        )
+        read = lambda: samples(service.metrics.registry)  # noqa: E731
+        try:
+            before = read()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.SpeculativeDecodingStub(channel)
+                held = stub.Generate(timeout=20)
+                await held.write(start(8))
+                assert (await held.read()).WhichOneof("msg") == "started"
+                during = read()
+                refused = await stream(f"127.0.0.1:{port}", [start(8)])
+                held.cancel()
+            return before, during, refused, await settled_registry(service)
+        finally:
+            await server.stop(grace=None)
+            await service.close()
+
+    before, during, refused, after = asyncio.run(main())
+    replica = {"replica": NOWHERE}
+    assert value(before, "specsplit_kv_limit_bytes") == 100 * slot
+    assert ("specsplit_target_kv_capacity_bytes", (("replica", NOWHERE),)) not in before
+    assert value(during, "specsplit_target_kv_capacity_bytes", **replica) == 10 * slot
+    assert value(during, "specsplit_target_kv_held_bytes", **replica) == 10 * slot
+    assert value(during, "specsplit_kv_reserved_bytes") == slot
+    assert value(during, "specsplit_kv_limit_bytes") == slot  # 10 less 9 of others
+    assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED  # the target is full
+    assert value(before, "specsplit_refused_streams_total", reason="kv_budget") == 0
+    assert value(after, "specsplit_refused_streams_total", reason="kv_budget") == 1
+    assert value(after, "specsplit_kv_reserved_bytes") == 0
