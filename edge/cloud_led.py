@@ -33,6 +33,7 @@ import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block, DraftRule
+from specsplit.edge.mode_switch import CLOUD_LED, count_pass
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
@@ -237,6 +238,7 @@ async def cloud_led_rounds(
                 now = time.perf_counter()
                 chunk, offset = drafts.apply(v)
                 step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
+                count_pass(stats, CLOUD_LED, len(chunk), (now - t_prev) * 1e3)
                 # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
                 stats.cloud_took_lead |= v.led
                 if after_rejection:
