@@ -17,8 +17,11 @@ token drafted twice after the same prefix is the same token (a speculation rebui
 equals the one drafted before it), and where the cloud draws a position itself, with no Draft
 there, it often draws the token the speculation holds, which keeps the speculation after it
 alive at T > 0.
-Drafting pauses when it does not pay (almost nothing accepted, or every Draft dropped as stale:
-the round trip is more steps than the speculation reaches); the cloud streams on regardless.
+Drafting stops where no Draft can be verified: while the tokens the cloud commits during a round
+trip (measured, or estimated from Start's round trip and the cloud's pace) are more than the
+speculation holds positions worth verifying (``_Reach.out_of_reach``). It pauses when it does
+not pay (almost nothing accepted, or every Draft dropped as stale); the cloud streams on
+regardless.
 """
 
 from __future__ import annotations
