@@ -157,12 +157,13 @@ class _Reach:
                 self.lag = self._travel()
 
     def reachable(self) -> int:
-        """Positions after a Draft's base worth verifying: while the chance that all before
-        them are accepted stays >= MIN_REACH (the acceptance past k_max taken as at k_max), at
-        most ``limit``."""
+        """Positions after a Draft's base worth verifying: while the measured chance that all
+        before them are accepted stays >= MIN_REACH (the acceptance past k_max taken as at
+        k_max), at most ``limit``; k_max while nothing was measured (the prior alone would
+        stop drafting at a few tokens of lag, before a Draft could show what it reaches)."""
+        if not self.acceptance.tried.any():
+            return min(self.k_max, self.limit)
         alphas = self.acceptance.alphas()  # [k_max]
-        if not len(alphas):
-            return 0
         alphas = np.concatenate([alphas, np.full(max(0, self.limit - len(alphas)), alphas[-1])])
         return int(np.sum(np.cumprod(alphas[: self.limit]) >= self.MIN_REACH))
 
