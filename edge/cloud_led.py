@@ -47,8 +47,9 @@ PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
 PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
 # Drafts the cloud dropped as stale, none verified, after which drafting pauses as well: the
 # round trip is more target steps than the speculation reaches ahead, and every Draft costs the
-# cloud's core a decode and a check for nothing (at RTT 500 ms on the 2-core CPU the target's
-# pass took 11-16% longer with them than without).
+# edge a draft step and the cloud's core a decode and a check for nothing (about 0.6 ms of
+# gateway CPU a Draft on the 2-core CPU; the target's slower passes beside stale Drafts in the
+# RTT 500-1000 ms bench came while the edge drafted them, not while they arrived).
 PAUSE_STALE = 8
 PACE_TOKENS = 4  # tokens whose Verdicts measure the cloud's pace before it replaces Started.step_ms
 SENT_KEPT = 64  # Drafts remembered to read Verdicts against
