@@ -290,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small subset, a few minutes")
     p.add_argument("--resume", action="store_true", help="continue the raw file of a stopped run")
     p.add_argument("--max-new-tokens", type=int)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        metavar="N",
+        help="generations per prompt and config (greedy runs and seeds alike): a shorter check",
+    )
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     _add_precision_arg(p, "the draft's weights, as the edge ships them", prog="make bench")
@@ -333,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan.at(args.temperature)
     if args.mode:
         plan = plan.modes_only(args.mode)
+    if args.repeats:
+        plan = replace(plan, repeats=args.repeats, samples=args.repeats)
     name = "benchmarks-quick" if args.quick else "benchmarks"
     if args.target_dtype != "auto":
         name += f"-{args.target_dtype}"

@@ -202,7 +202,7 @@ class SplitClient:
                 await asyncio.sleep(pause)
             finally:
                 self._reached |= stream.reached
-                self._link = _remembered(stream.link or self._link, plan, stats)
+                self._link = _remembered(stream.link or self._link, plan, stats, self._link)
                 await stream.close()
 
 
@@ -223,12 +223,16 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _remembered(link: Link | None, plan: SessionPlan, stats: GenerationStats) -> Link | None:
+def _remembered(
+    link: Link | None, plan: SessionPlan, stats: GenerationStats, before: Link | None = None
+) -> Link | None:
     """The link a client keeps after a generation: what its Started measured, and, after an
     auto generation that measured enough rounds to judge (or started cloud-led), whether it ran
-    cloud-led (edge.mode_switch.Link.led). A forced mode's generation judges nothing."""
+    cloud-led (edge.mode_switch.Link.led) and what each mode it ran yielded (the others' as
+    ``before`` remembered them). A forced mode's generation judges nothing."""
     if link is None or not plan.auto:
         return link
+    link = link.measured(stats, before)
     led = stats.led_at_start or stats.lead_round > 0
     if led or stats.rounds >= MIN_ROUNDS + 1:
         return link._replace(led=led)

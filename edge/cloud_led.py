@@ -17,8 +17,11 @@ token drafted twice after the same prefix is the same token (a speculation rebui
 equals the one drafted before it), and where the cloud draws a position itself, with no Draft
 there, it often draws the token the speculation holds, which keeps the speculation after it
 alive at T > 0.
-Drafting pauses when it does not pay (almost nothing accepted, or every Draft dropped as stale:
-the round trip is more steps than the speculation reaches); the cloud streams on regardless.
+Drafting stops where no Draft can be verified: while the tokens the cloud commits during a round
+trip (measured, or estimated from Start's round trip and the cloud's pace) are more than the
+speculation holds positions worth verifying (``_Reach.out_of_reach``). It pauses when it does
+not pay (almost nothing accepted, or every Draft dropped as stale); the cloud streams on
+regardless.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.handover import Handover
+from specsplit.edge.mode_switch import CLOUD_LED, count_pass
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
@@ -43,9 +47,11 @@ PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
 PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
 # Drafts the cloud dropped as stale, none verified, after which drafting pauses as well: the
 # round trip is more target steps than the speculation reaches ahead, and every Draft costs the
-# cloud's core a decode and a check for nothing (at RTT 500 ms on the 2-core CPU the target's
-# pass took 11-16% longer with them than without).
+# edge a draft step and the cloud's core a decode and a check for nothing (about 0.6 ms of
+# gateway CPU a Draft on the 2-core CPU; the target's slower passes beside stale Drafts in the
+# RTT 500-1000 ms bench came while the edge drafted them, not while they arrived).
 PAUSE_STALE = 8
+PACE_TOKENS = 4  # tokens whose Verdicts measure the cloud's pace before it replaces Started.step_ms
 SENT_KEPT = 64  # Drafts remembered to read Verdicts against
 
 
@@ -76,28 +82,85 @@ class _Reach:
     (measured: committed_len at use minus the Draft's base_len), plus twice the positions worth
     verifying (while the measured chance that all before them are accepted stays >= MIN_REACH;
     at most k_max and the cloud's hint): once for the step that uses the Draft, once more for
-    the step after it, which starts before the edge hears of the first and can extend it."""
+    the step after it, which starts before the edge hears of the first and can extend it.
+
+    Until a Draft was verified the lag is estimated from Start's round trip over the cloud's
+    time per committed token (Started.step_ms, then the Verdicts' spacing here). A Draft
+    arriving lag tokens after its base is verified only where its first lag tokens are the ones
+    the cloud committed meanwhile and it holds more: where lag reaches past every position
+    worth verifying (``out_of_reach``), no Draft can pay: the edge then drafts nothing, and the
+    cloud steps as in cloud-only (at RTT 500-1000 ms on the 2-core CPU every Draft came stale,
+    docs/benchmarks-rtt0-500-1000-t0-cloud-only-auto-auto-warm.md)."""
 
     MIN_REACH = 0.1
 
     def __init__(
-        self, k_max: int, limit: int, acceptance: DraftLength | None = None, sent: int = 0
+        self,
+        k_max: int,
+        limit: int,
+        acceptance: DraftLength | None = None,
+        sent: int = 0,
+        rtt_ms: float | None = None,
+        step_ms: float = 0.0,
     ):
         self.k_max, self.limit = k_max, limit
         self.acceptance = acceptance or DraftLength(k_max)
-        self.lag: float = 0.0
+        self.rtt_ms = rtt_ms
+        self.token_ms = step_ms if step_ms > 0 else None  # the cloud's time per committed token
+        self.lag: float = self._travel()
+        self.measured = False  # a verified Draft measured the lag itself
+        self._since: float | None = None  # the first Verdict (s), and tokens committed after it
+        self._counted = 0
         self.sent = sent  # tokens sent before the first verdict (a lead block): reach past them
 
-    def observe(self, offset: int | None, verified: int, accepted: int) -> None:
+    def _travel(self) -> float:
+        """Tokens the cloud commits in a round trip, by time; 0 while either is unknown."""
+        if self.rtt_ms is None or not self.token_ms:
+            return 0.0
+        return self.rtt_ms / self.token_ms
+
+    def observe(
+        self, offset: int | None, verified: int, accepted: int, at: float = 0.0, tokens: int = 0
+    ) -> None:
+        """One Verdict: ``offset`` the cloud's progress while its Draft travelled (None: no
+        Draft of ours verified); ``at`` when it came (s) and the ``tokens`` it commits."""
         if offset is not None:
-            self.lag = 0.8 * self.lag + 0.2 * offset
+            self.lag = 0.8 * self.lag + 0.2 * offset if self.measured else float(offset)
+            self.measured = True
+        self._pace(at, tokens)
         if verified:
             self.acceptance.observe(verified, accepted, 0.0)
         self.sent = 0
 
+    def _pace(self, at: float, tokens: int) -> None:
+        """The cloud's time per committed token from the Verdicts' spacing since the first
+        (Verdicts read together arrive together: a mean over all of them, not per Verdict)."""
+        if self._since is None:
+            self._since = at
+            return
+        self._counted += tokens
+        if self._counted >= PACE_TOKENS and at > self._since:
+            self.token_ms = (at - self._since) * 1e3 / self._counted
+            if not self.measured:
+                self.lag = self._travel()
+
+    def reachable(self) -> int:
+        """Positions after a Draft's base worth verifying: while the measured chance that all
+        before them are accepted stays >= MIN_REACH (the acceptance past k_max taken as at
+        k_max), at most ``limit``; k_max while nothing was measured (the prior alone would
+        stop drafting at a few tokens of lag, before a Draft could show what it reaches)."""
+        if not self.acceptance.tried.any():
+            return min(self.k_max, self.limit)
+        alphas = self.acceptance.alphas()  # [k_max]
+        alphas = np.concatenate([alphas, np.full(max(0, self.limit - len(alphas)), alphas[-1])])
+        return int(np.sum(np.cumprod(alphas[: self.limit]) >= self.MIN_REACH))
+
+    def out_of_reach(self) -> bool:
+        return self.lag >= self.reachable()
+
     def want(self, hint: int) -> int:
         if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
-            return min(self.limit, self.sent + min(self.k_max, hint))
+            return min(self.limit, round(self.lag) + self.sent + min(self.k_max, hint))
         reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
         useful = 1 + int(np.argmin(reach)) if not reach.all() else self.k_max
         return min(self.limit, round(self.lag) + 2 * min(self.k_max, hint, useful))
@@ -120,7 +183,7 @@ async def cloud_led_rounds(
     if plan.adaptive:
         limit = started.limits.max_draft_tokens
         lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
-        reach = _Reach(k_max, limit, *lead)
+        reach = _Reach(k_max, limit, *lead, stream.stats.start_rtt_ms, started.step_ms)
     verdicts: asyncio.Queue = asyncio.Queue()
     led = handover.led if handover is not None else None
     if led is not None:
@@ -140,7 +203,10 @@ async def cloud_led_rounds(
         while True:
             ahead = reach.want(hint) if reach else min(k_max, hint)
             want = max(0, min(ahead, remaining - 1))
-            if worker is None and paused == 0 and len(spec.tokens) < want:
+            # No Draft can be verified while the cloud commits past the speculation's reach
+            # before one arrives: the edge drafts nothing then, as if paused.
+            idle = paused != 0 or (reach is not None and reach.out_of_reach())
+            if worker is None and not idle and len(spec.tokens) < want:
                 prefix = [*stream.committed, *spec.tokens]
                 worker = Worker(proposer.next_token, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
@@ -164,6 +230,7 @@ async def cloud_led_rounds(
                 now = time.perf_counter()
                 chunk, offset = drafts.apply(v)
                 step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
+                count_pass(stats, CLOUD_LED, len(chunk), (now - t_prev) * 1e3)
                 # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
                 stats.cloud_took_lead |= v.led
                 if after_rejection:
@@ -171,7 +238,7 @@ async def cloud_led_rounds(
                     stats.draftless_after_rejection += step.drafted == 0
                 after_rejection = v.has_token and step.accepted < step.drafted
                 if reach is not None:
-                    reach.observe(offset, step.drafted, step.accepted)
+                    reach.observe(offset, step.drafted, step.accepted, now, len(chunk))
                 t_prev = now
                 spec.consume(chunk)
                 remaining -= len(chunk)

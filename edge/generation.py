@@ -115,6 +115,9 @@ class GenerationStats:
     # verified no draft (the edge's drafts after the correction had not reached the cloud)
     passes_after_rejection: int = 0
     draftless_after_rejection: int = 0
+    # per session mode the rounds ran in ("lock-step", "cloud-led"): [target passes, tokens
+    # committed, ms Verdict to Verdict] (edge.mode_switch.Yield: what each mode yielded)
+    mode_passes: dict[str, list[float]] = field(default_factory=dict)
     start_rtt_ms: float | None = None  # Start to Started, minus the server's part of it
     finish: str = ""
     seed: int | None = None  # the seed in force (the server's pick when none was given)

@@ -9,8 +9,14 @@ directory and reads it back, so an invocation after the first starts as the last
 
 The file, ``<cache>/edge/links.json``::
 
-    {"version": 1, "links": {"<server address>": {"rtt_ms": 212.0, "step_ms": 88.5,
-                                                  "led": true, "saved_at": 1764112345.6}}}
+    {"version": 2, "links": {"<server address>": {"rtt_ms": 212.0, "step_ms": 88.5,
+                                                  "led": true, "saved_at": 1764112345.6,
+                                                  "lock_step": [2.6, 118.0],
+                                                  "cloud_led": [1.3, 55.2]}}}
+
+``lock_step`` and ``cloud_led``: what each mode yielded in the last auto generation that ran it
+(edge.mode_switch.Yield: tokens per target pass, ms per pass), null where none did. Version 1
+files, which lacked them, are ignored like any other version: the next invocation starts cold.
 
 A link is the server's as the client names it (``--server``). One older than ``STALE_AFTER_S``
 is ignored (a device moves between networks; a server is redeployed), as is a file of another
@@ -29,12 +35,12 @@ import os
 import time
 from pathlib import Path
 
-from specsplit.edge.mode_switch import Link
+from specsplit.edge.mode_switch import Link, Yield
 from specsplit.shared.steps import cache_dir
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 STALE_AFTER_S = 6 * 3600.0  # a remembered link older than this is not trusted
 MAX_LINKS = 32  # servers remembered at most (the latest saved): the file never grows unbounded
 
@@ -64,17 +70,35 @@ def _read(path: Path) -> dict:
     return links
 
 
+def _numbers(entry: dict, numbers: list) -> None:
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):
+        raise ValueError(f"entry {entry!r}: rtt_ms, step_ms, saved_at, yields must be numbers")
+    if not all(math.isfinite(x) and x >= 0 for x in numbers):
+        raise ValueError(f"entry {entry!r}: negative or non-finite number")
+
+
+def _yield(entry: dict, key: str) -> Yield | None:
+    """A mode's stored yield ([tokens per pass, ms per pass] or null); ValueError if malformed."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"entry {entry!r}: {key} must be [tokens_per_pass, ms_per_pass]")
+    _numbers(entry, value)
+    return Yield(float(value[0]), float(value[1]))
+
+
 def _link(entry: object) -> tuple[Link, float]:
     """A stored entry as (Link, saved_at); ValueError when any field is malformed."""
     if not isinstance(entry, dict):
         raise ValueError(f"entry {entry!r} is not an object")
     rtt, step, led, saved_at = (entry.get(k) for k in ("rtt_ms", "step_ms", "led", "saved_at"))
-    numbers = [step, saved_at] + ([] if rtt is None else [rtt])
-    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers):
-        raise ValueError(f"entry {entry!r}: rtt_ms, step_ms, saved_at must be numbers")
-    if not all(math.isfinite(x) and x >= 0 for x in numbers) or not isinstance(led, bool):
-        raise ValueError(f"entry {entry!r}: negative or non-finite number, or led not a bool")
-    return Link(None if rtt is None else float(rtt), float(step), led), float(saved_at)
+    _numbers(entry, [step, saved_at] + ([] if rtt is None else [rtt]))
+    if not isinstance(led, bool):
+        raise ValueError(f"entry {entry!r}: led not a bool")
+    lock_step, cloud_led = _yield(entry, "lock_step"), _yield(entry, "cloud_led")
+    rtt = None if rtt is None else float(rtt)
+    return Link(rtt, float(step), led, lock_step, cloud_led), float(saved_at)
 
 
 def load_link(server: str, path: Path | None = None, now: float | None = None) -> Link | None:
@@ -116,6 +140,8 @@ def save_link(server: str, link: Link, path: Path | None = None, now: float | No
         "step_ms": link.step_ms,
         "led": link.led,
         "saved_at": now,
+        "lock_step": None if link.lock_step is None else list(link.lock_step),
+        "cloud_led": None if link.cloud_led is None else list(link.cloud_led),
     }
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:

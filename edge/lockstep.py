@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.handover import Handover
-from specsplit.edge.mode_switch import LeadChoice
+from specsplit.edge.mode_switch import LOCK_STEP, LeadChoice, count_pass
 from specsplit.edge.proposer import Proposer, block_off_loop, draft_ahead
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
@@ -44,7 +44,7 @@ async def lockstep_rounds(
     stats = stream.stats
     k_max = min(plan.draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(k_max) if plan.adaptive else None
-    switch = LeadChoice(k_max, rule.sampling.greedy) if plan.may_lead else None
+    switch = LeadChoice(k_max, rule.sampling.greedy, plan.led) if plan.may_lead else None
     t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle
     remaining = started.max_new_tokens
     round_no = 0
@@ -90,6 +90,8 @@ async def lockstep_rounds(
         remaining -= len(chunk)
         round_ms = (t2 - t1) * 1e3
         stream.observe(v, draft_ms, round_ms)
+        cycle_ms = (t2 - t_prev) * 1e3
+        count_pass(stats, LOCK_STEP, len(chunk), cycle_ms)
         if plan.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
             stats.block_hint.append(hint)
@@ -98,7 +100,6 @@ async def lockstep_rounds(
             chooser.observe(k, v.accepted, v.timings.verify_ms, round_ms, critical_ms)
             stats.k_chosen.append(k)
         if switch is not None:
-            cycle_ms = (t2 - t_prev) * 1e3
             switch.observe(k, v.accepted, cycle_ms, v.timings.verify_ms, v.timings.server_ms)
         t_prev = t2
         yield chunk

@@ -30,6 +30,16 @@ that cost more than a wrong guess of cloud-led could. A client's next generation
 measure it again: ``SplitClient`` keeps the round trip and step of its last Started and, where
 ``lead_at_start`` holds for them, starts the stream cloud-led (edge.session_plan), so the
 target steps straight after prefill instead of a round trip later, when the lead Draft arrives.
+
+Below that round trip the model above can be wrong where the edge drafts slower than the cloud
+steps: cloud-led steps then verify few drafts (at RTT 0 on the 2-core CPU a warm client that
+started cloud-led made 1.3 tokens a pass on prose, slower than lock-step, and 2.2 on code,
+faster: docs/benchmarks-rtt0-500-1000-t0-cloud-only-auto-auto-warm.md). So a client also
+remembers what each mode really yielded in its last auto generation that ran it (``Yield``:
+tokens per target pass and the time per pass, from GenerationStats.mode_passes), and starts the
+next one cloud-led, or lets the cloud take the lead, or hands over, only where cloud-led's
+measured rate beat lock-step's (``Link.led_pays``; with no lock-step measured, where it made
+LED_MIN_TOKENS_PER_PASS tokens a pass).
 """
 
 from __future__ import annotations
@@ -48,29 +58,87 @@ MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the 
 # Over three full bench runs cloud-led beat lock-step adaptive in 11 of 12 cells at RTT / step
 # 1.75-1.88 (1.12-1.29x, the 12th 0.99x) and was mixed at 0.70-0.76 (0.84-1.26x).
 LEAD_AT_START = 1.5
+# Cloud-led passes that made fewer tokens than this on average (most verified no draft, or one
+# rejected at once), with no lock-step rounds measured beside them: the next generation starts
+# lock-step and measures. A pass of lock-step makes E(k) >= 1 + alpha_1 tokens.
+LED_MIN_TOKENS_PER_PASS = 1.5
+LOCK_STEP, CLOUD_LED = "lock-step", "cloud-led"  # GenerationStats.mode_passes' keys
+
+
+class Yield(NamedTuple):
+    """What a session mode made of the target's passes in the last auto generation that ran it:
+    tokens committed per pass, and the edge's time per pass, Verdict to Verdict (a lock-step
+    round's idle included)."""
+
+    tokens_per_pass: float
+    ms_per_pass: float
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.tokens_per_pass / max(self.ms_per_pass, 1e-3)
+
+    @classmethod
+    def of(cls, passes: float, tokens: float, ms: float) -> Yield | None:
+        """From GenerationStats.mode_passes' counts; None below MIN_ROUNDS passes."""
+        return cls(tokens / passes, ms / passes) if passes >= MIN_ROUNDS else None
+
+
+def count_pass(stats, mode: str, tokens: int, ms: float) -> None:
+    """One Verdict of ``mode`` into GenerationStats.mode_passes."""
+    counts = stats.mode_passes.setdefault(mode, [0, 0, 0.0])
+    counts[0] += 1
+    counts[1] += tokens
+    counts[2] += ms
 
 
 class Link(NamedTuple):
     """What a Started told a client about its link (``SplitClient.link``): the round trip in ms
     (Start to Started, Started.setup_ms taken out; None when it could not be measured) and the
-    server's recent one-row step in ms (Started.step_ms, 0: unknown); and whether the client's
+    server's recent one-row step in ms (Started.step_ms, 0: unknown); whether the client's
     last auto generation, having measured its rounds, ran cloud-led (handed over, or started
-    so): the next one then starts cloud-led instead of measuring lock-step rounds again."""
+    so): the next one then starts cloud-led instead of measuring lock-step rounds again, where
+    cloud-led paid (``led_pays``); and what each mode yielded in the last auto generation that
+    ran it (None: not measured)."""
 
     rtt_ms: float | None
     step_ms: float
     led: bool = False
+    lock_step: Yield | None = None
+    cloud_led: Yield | None = None
 
     def starts_led(self) -> bool:
-        return self.led or LeadChoice.lead_at_start(self.rtt_ms, self.step_ms)
+        if LeadChoice.lead_at_start(self.rtt_ms, self.step_ms):
+            return True
+        return self.led and self.led_pays()
+
+    def led_pays(self) -> bool:
+        """Whether cloud-led, as measured on this link, was worth running: faster than
+        lock-step where both were measured, else LED_MIN_TOKENS_PER_PASS tokens a pass; True
+        while cloud-led is unmeasured."""
+        led, lock = self.cloud_led, self.lock_step
+        if led is None:
+            return True
+        if lock is not None:
+            return led.tokens_per_ms >= lock.tokens_per_ms
+        return led.tokens_per_pass >= LED_MIN_TOKENS_PER_PASS
+
+    def measured(self, stats, before: Link | None) -> Link:
+        """This link with the yields ``stats`` (GenerationStats) measured, each mode not run
+        keeping what ``before`` (the client's link before the generation) remembered."""
+        counts = stats.mode_passes
+        kept = before if before is not None else Link(None, 0.0)
+        lock = Yield.of(*counts[LOCK_STEP]) if LOCK_STEP in counts else None
+        led = Yield.of(*counts[CLOUD_LED]) if CLOUD_LED in counts else None
+        return self._replace(lock_step=lock or kept.lock_step, cloud_led=led or kept.cloud_led)
 
 
 class LeadChoice:
     """Measures lock-step rounds; ``should_lead`` says when cloud-led would be faster."""
 
-    def __init__(self, k_max: int, greedy: bool) -> None:
+    def __init__(self, k_max: int, greedy: bool, led: Yield | None = None) -> None:
         self.lengths = DraftLength(k_max)  # acceptance per position, pass cost by rows
         self.greedy = greedy
+        self.led = led  # what cloud-led yielded on this link last (Link.cloud_led), if known
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass
         self.overhead_ms: float = 0.0  # per step: at the gateway, minus the pass
         self.rounds = 0
@@ -113,5 +181,10 @@ class LeadChoice:
         return rtt_ms is not None and step_ms > 0 and rtt_ms >= LEAD_AT_START * step_ms
 
     def should_lead(self, k: int) -> bool:
+        """Cloud-led's rate, as measured on this link where it was (``led``), else as modelled,
+        beats lock-step's by MARGIN."""
         rates = self.rates(k)
-        return rates is not None and rates[1] >= MARGIN * rates[0]
+        if rates is None:
+            return False
+        cloud_led = self.led.tokens_per_ms if self.led is not None else rates[1]
+        return cloud_led >= MARGIN * rates[0]

@@ -1,11 +1,13 @@
 """The session plan: the mode a stream asks for at Start and what its rounds may do, decided once.
 
 ``SessionPlan.of`` reads the GenerationConfig and, in session mode ``auto``, the link the client's
-previous Started measured (edge.mode_switch: a long round trip starts cloud-led). ``settled``
-adds what this stream's Started says: the mode the server runs (Started.session_mode; an older
-server leaves it UNSPECIFIED and says cloud-led only through Started.cloud_led, else runs what
-it was asked or lock-step), whether lock-step rounds may still hand over to cloud-led (the
-server accepts Draft.lead), and whether the first Draft leads. The loops only read the plan.
+previous Started measured (edge.mode_switch: a long round trip starts cloud-led) and what
+cloud-led yielded on it (a cloud-led run that verified few drafts starts lock-step instead).
+``settled`` adds what this stream's Started says: the mode the server runs
+(Started.session_mode; an older server leaves it UNSPECIFIED and says cloud-led only through
+Started.cloud_led, else runs what it was asked or lock-step), whether lock-step rounds may
+still hand over to cloud-led (the server accepts Draft.lead), and whether the first Draft
+leads. The loops only read the plan.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from specsplit.edge.generation import AUTO, SESSION_MODES, GenerationConfig
-from specsplit.edge.mode_switch import LeadChoice, Link
+from specsplit.edge.mode_switch import LeadChoice, Link, Yield
 from specsplit.edge.stream import SpecsplitError
 from specsplit.shared.protocol import PB_TO_SESSION_MODE, pb
 from specsplit.shared.session_mode import SessionMode
@@ -31,6 +33,8 @@ class SessionPlan:
     follow_hint: bool  # a cloud-led speculation reaches no further than the hint
     draft_ahead: bool  # lock-step drafts the next block while a verdict is in flight
     lead_first: bool = False  # settled: the first lock-step Draft leads
+    led: Yield | None = None  # what cloud-led yielded on this link last (Link.cloud_led)
+    led_pays: bool = True  # cloud-led, as measured on this link, was worth it (Link.led_pays)
 
     @classmethod
     def of(
@@ -58,13 +62,17 @@ class SessionPlan:
             obeys_hint=cfg.obeys_hint,
             follow_hint=cfg.follow_hint,
             draft_ahead=cfg.draft_ahead,
+            led=link.cloud_led if link is not None else None,
+            led_pays=link is None or link.led_pays(),
         )
 
     @property
     def follows_lead(self) -> bool:
         """Start.follows_lead: lock-step rounds that may hand over also follow a handover the
-        cloud starts (Verdict.led) when their first Draft is late."""
-        return self.may_lead and self.mode is SessionMode.LOCK_STEP
+        cloud starts (Verdict.led) when their first Draft is late, unless cloud-led, as measured
+        on this link, did not pay (a late first Draft there is the edge's drafting, which
+        cloud-led steps outrun as well)."""
+        return self.may_lead and self.mode is SessionMode.LOCK_STEP and self.led_pays
 
     def settled(self, started: pb.Started, rtt_ms: float | None) -> SessionPlan:
         """The plan as ``started`` settles it; ``rtt_ms``: Start's round trip."""

@@ -115,6 +115,7 @@ def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_
     (edge.link_memory) and read by the next, which starts cloud-led where that link says so
     (here a remembered slow link: on this machine's loopback lock-step would be kept)."""
     from specsplit.edge.link_memory import load_link, save_link
+    from specsplit.edge.mode_switch import Yield
 
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
     args = ["generate", "--server", cloud.address, "--draft", str(tiny.draft_onnx)]
@@ -124,7 +125,8 @@ def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_
     first = load_link(cloud.address)
     assert first is not None and first.step_ms > 0 and first.rtt_ms is not None
     assert not json.loads(r.stdout)["led_at_start"]  # cold: nothing remembered
-    save_link(cloud.address, first._replace(led=True))  # as after an auto run that led
+    # as after an auto run that led, and whose cloud-led passes paid (2 tokens each)
+    save_link(cloud.address, first._replace(led=True, lock_step=None, cloud_led=Yield(2.0, 5.0)))
     r = edge(*args)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

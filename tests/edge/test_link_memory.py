@@ -8,10 +8,10 @@ import logging
 import pytest
 
 from specsplit.edge.link_memory import STALE_AFTER_S, VERSION, links_path, load_link, save_link
-from specsplit.edge.mode_switch import Link
+from specsplit.edge.mode_switch import Link, Yield
 
 SERVER, OTHER = "cloud.example:50051", "127.0.0.1:50051"
-SLOW = Link(rtt_ms=212.5, step_ms=88.0, led=True)
+SLOW = Link(rtt_ms=212.5, step_ms=88.0, led=True, cloud_led=Yield(1.25, 52.0))
 
 
 @pytest.fixture(autouse=True)
@@ -58,24 +58,34 @@ def test_a_stale_link_is_ignored_with_a_debug_log(caplog):
         ("", "unreadable"),
         ('{"version": 99, "links": {}}', "version 99"),
         ("[1, 2]", "version None"),
-        ('{"version": 1, "links": []}', "no links table"),
-        ('{"version": 1, "links": {"S": "fast"}}', "is not an object"),
+        ('{"version": 2, "links": []}', "no links table"),
+        ('{"version": 2, "links": {"S": "fast"}}', "is not an object"),
         (
-            '{"version": 1, "links": {"S": {"rtt_ms": 1, "step_ms": "9", "led": false, '
+            '{"version": 2, "links": {"S": {"rtt_ms": 1, "step_ms": "9", "led": false, '
             '"saved_at": 1000}}}',
             "must be numbers",
         ),
         (
-            '{"version": 1, "links": {"S": {"rtt_ms": 1, "step_ms": 9, "saved_at": 1000}}}',
+            '{"version": 2, "links": {"S": {"rtt_ms": 1, "step_ms": 9, "saved_at": 1000}}}',
             "led not a bool",
         ),
         (
-            '{"version": 1, "links": {"S": {"rtt_ms": -5, "step_ms": 9, "led": true, '
+            '{"version": 2, "links": {"S": {"rtt_ms": -5, "step_ms": 9, "led": true, '
             '"saved_at": 1000}}}',
             "negative or non-finite",
         ),
         (
-            '{"version": 1, "links": {"S": {"rtt_ms": NaN, "step_ms": 9, "led": true, '
+            '{"version": 2, "links": {"S": {"rtt_ms": 1, "step_ms": 9, "led": true, '
+            '"saved_at": 1000, "cloud_led": [1.5]}}}',
+            "must be [tokens_per_pass, ms_per_pass]",
+        ),
+        (
+            '{"version": 2, "links": {"S": {"rtt_ms": 1, "step_ms": 9, "led": true, '
+            '"saved_at": 1000, "lock_step": [2.5, -1]}}}',
+            "negative or non-finite",
+        ),
+        (
+            '{"version": 2, "links": {"S": {"rtt_ms": NaN, "step_ms": 9, "led": true, '
             '"saved_at": 1000}}}',
             "negative or non-finite",
         ),
@@ -108,3 +118,21 @@ def test_a_save_keeps_the_latest_good_links_only(monkeypatch):
     assert set(json.loads(links_path().read_text())["links"]) == {"s2:1", "s3:1", "s4:1"}
     save_link("s5:1", SLOW, now=1003.0 + STALE_AFTER_S)  # s2 has gone stale meanwhile
     assert set(json.loads(links_path().read_text())["links"]) == {"s3:1", "s4:1", "s5:1"}
+
+
+def test_what_each_mode_yielded_comes_back():
+    both = SLOW._replace(lock_step=Yield(2.75, 120.5))
+    save_link(SERVER, both, now=1000.0)
+    assert load_link(SERVER, now=1000.0) == both
+    entry = json.loads(links_path().read_text())["links"][SERVER]
+    assert entry["lock_step"] == [2.75, 120.5] and entry["cloud_led"] == [1.25, 52.0]
+
+
+def test_a_version_1_file_without_yields_is_a_cold_start(caplog):
+    assert VERSION == 2
+    links_path().parent.mkdir(parents=True)
+    old = {"rtt_ms": 0.5, "step_ms": 50.0, "led": True, "saved_at": 1000.0}
+    links_path().write_text(json.dumps({"version": 1, "links": {SERVER: old}}))
+    with caplog.at_level(logging.DEBUG, logger="specsplit.edge.link_memory"):
+        assert load_link(SERVER, now=1000.0) is None
+    assert "version 1, this edge reads 2" in caplog.text

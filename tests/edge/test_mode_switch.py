@@ -177,9 +177,12 @@ def test_a_new_client_given_an_old_ones_link_starts_as_that_link_says(monkeypatc
 def test_a_client_whose_auto_generation_ran_cloud_led_starts_the_next_one_so(monkeypatch, switches):
     """After an auto generation that measured its rounds and handed over to cloud-led, the
     client's next auto generation starts cloud-led (the rounds it would spend measuring again
-    idle the target); after one that measured and stayed lock-step, the next measures again."""
+    idle the target); after one that measured and stayed lock-step, the next measures again.
+    (Where cloud-led paid: FakeTriton accepts no draft, so here it is forced to have paid;
+    tests/edge/test_mode_yields.py has it not pay.)"""
     monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: False))
     monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: switches)
+    monkeypatch.setattr(Link, "led_pays", lambda link: True)
 
     async def two():
         cfg = GenerationConfig(max_new_tokens=16, draft_tokens=2)
