@@ -2,10 +2,10 @@
 
 ``SessionPlan.of`` reads the GenerationConfig and, in session mode ``auto``, the link the client's
 previous Started measured (edge.mode_switch: a long round trip starts cloud-led). ``settled``
-adds what this stream's Started says: the mode the server runs (Started.session_mode; an older
-server leaves it UNSPECIFIED and says cloud-led only through Started.cloud_led, else runs what
-it was asked or lock-step), whether lock-step rounds may still hand over to cloud-led (the
-server accepts Draft.lead), and whether the first Draft leads. The loops only read the plan.
+adds what this stream's Started says: the mode the server runs (Started.session_mode: what it
+was asked, or lock-step where cloud-led was asked), whether lock-step rounds may still hand
+over to cloud-led (the server accepts Draft.lead), and whether the first Draft leads. The loops
+only read the plan.
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ class SessionPlan:
 
     def _mode_run(self, started: pb.Started) -> SessionMode:
         asked = self.mode
-        if started.session_mode == pb.SESSION_MODE_UNSPECIFIED:  # an older server
-            if asked is SessionMode.CLOUD_LED and not started.cloud_led:
-                return SessionMode.LOCK_STEP  # it ignored Start.cloud_led
-            return asked
         mode = PB_TO_SESSION_MODE.get(started.session_mode)
-        # Lock-step where cloud-led was asked is a server's right (Started.cloud_led); else the
-        # edge could not go on: it drafts for the mode it asked for, or has no draft at all.
+        if mode is None:
+            raise SpecsplitError(
+                None, f"the server's Started has no known session_mode ({started.session_mode})"
+            )
+        # Lock-step where cloud-led was asked is a server's right; else the edge could not go
+        # on: it drafts for the mode it asked for, or has no draft at all.
         if mode is not asked and (asked, mode) != (SessionMode.CLOUD_LED, SessionMode.LOCK_STEP):
             raise SpecsplitError(None, f"asked for session mode {asked}, the server runs {mode}")
         return mode

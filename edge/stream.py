@@ -19,9 +19,9 @@ from specsplit.edge.mode_switch import Link
 from specsplit.shared.protocol import (
     MODE_TO_PB,
     PROTOCOL_VERSION,
+    SESSION_MODE_TO_PB,
     pb,
     sampling_params,
-    session_mode_fields,
 )
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
@@ -121,7 +121,7 @@ class Stream:
             verification=MODE_TO_PB.get(cfg.verification, 0),
             draft_tokenizer=draft_tokenizer or "",
             follows_lead=follows_lead,
-            **session_mode_fields(mode),
+            session_mode=SESSION_MODE_TO_PB[mode],
         )
         self._t_start = time.perf_counter()
         await self.send(pb.ClientMessage(start=start))

@@ -42,34 +42,13 @@ SESSION_MODE_TO_PB = {
 PB_TO_SESSION_MODE = {v: k for k, v in SESSION_MODE_TO_PB.items()}
 
 
-def session_mode_fields(mode: SessionMode) -> dict:
-    """Start's fields for ``mode``: session_mode, and the deprecated bools an older server reads
-    (protocol version 1 keeps both; they always agree)."""
-    return {
-        "session_mode": SESSION_MODE_TO_PB[mode],
-        "cloud_only": mode is SessionMode.CLOUD_ONLY,
-        "cloud_led": mode is SessionMode.CLOUD_LED,
-    }
-
-
 def session_mode_of(start: pb.Start) -> SessionMode:
-    """The mode a Start asks for. Raises ValueError when its fields contradict each other."""
-    if start.cloud_only and start.cloud_led:
-        raise ValueError("cloud_only and cloud_led exclude each other")
-    old = (
-        SessionMode.CLOUD_ONLY
-        if start.cloud_only
-        else SessionMode.CLOUD_LED
-        if start.cloud_led
-        else None
-    )
+    """The mode a Start asks for (UNSPECIFIED: lock-step). Raises ValueError on an unknown one."""
     if start.session_mode == pb.SESSION_MODE_UNSPECIFIED:
-        return old or SessionMode.LOCK_STEP
+        return SessionMode.LOCK_STEP
     mode = PB_TO_SESSION_MODE.get(start.session_mode)
     if mode is None:
         raise ValueError(f"unknown session_mode {start.session_mode}")
-    if old is not None and old is not mode:
-        raise ValueError(f"session_mode {mode} contradicts the deprecated {old.name.lower()} flag")
     return mode
 
 

@@ -16,7 +16,7 @@ from specsplit.cloud.gateway.session import ModelLimits
 from specsplit.cloud.gateway.triton_client import VerifyReply
 
 VOCAB = 256
-MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512), "")
+MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512))
 NOWHERE = "127.0.0.1:1"  # no Triton: the fakes answer instead
 
 

@@ -130,7 +130,7 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     assert gen.token_ids == target_greedy[tuple(prompt)]
     assert gen.stats.lead_round == 1 and gen.stats.cloud_took_lead, gen.stats.summary()
     assert not gen.stats.led_at_start
-    # The next generation starts cloud-led (Start.cloud_led): no lock-step round at all.
+    # The next generation starts cloud-led (Start.session_mode): no lock-step round at all.
     assert again.token_ids == target_greedy[tuple(prompt)]
     s = again.stats
     assert s.led_at_start and s.lead_round == 0, s.summary()
@@ -173,31 +173,6 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
                         assert gen.stats.accepted > 0, (prompt, rtt_ms)
 
 
-def test_cloud_only_and_cloud_led_together_are_refused(cloud):
-    from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
-
-    async def call():
-        import grpc
-
-        async with grpc.aio.insecure_channel(cloud.address) as channel:
-            stub = pb_grpc.SpeculativeDecodingStub(channel)
-            start = pb.Start(
-                protocol_version=PROTOCOL_VERSION,
-                prompt_ids=[1, 2],
-                sampling=pb.SamplingParams(max_new_tokens=4),
-                cloud_only=True,
-                cloud_led=True,
-            )
-            call = stub.Generate(iter([pb.ClientMessage(start=start)]))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in call:
-                    pass
-            return e.value
-
-    error = asyncio.run(call())
-    assert error.code().name == "INVALID_ARGUMENT" and "exclude" in error.details()
-
-
 @pytest.mark.parametrize("pause_s", [0.0, 0.3])
 def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
     """A cloud-led edge may still be writing a Draft when Finished leaves the cloud. The call
@@ -215,7 +190,7 @@ def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
                 protocol_version=PROTOCOL_VERSION,
                 prompt_ids=[1, 2, 3],
                 sampling=pb.SamplingParams(max_new_tokens=3),
-                cloud_led=True,
+                session_mode=pb.SESSION_MODE_CLOUD_LED,
             )
             await call.write(pb.ClientMessage(start=start))
             kinds = []

@@ -36,7 +36,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specsplit.shared.protocol import pb, session_mode_of
+from specsplit.shared.protocol import pb
 from specsplit.shared.request_latency import E2E_S, latency_histograms
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
@@ -324,8 +324,6 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Threadin
 
 
 def _mode_label(start: pb.Start) -> str:
-    try:
-        cloud_only = session_mode_of(start) is SessionMode.CLOUD_ONLY
-    except ValueError:  # refused by the handler: counted as what it asked for first
-        cloud_only = start.cloud_only
+    # An unknown session_mode is refused by the handler and counted as split.
+    cloud_only = start.session_mode == pb.SESSION_MODE_CLOUD_ONLY
     return str(SessionMode.CLOUD_ONLY) if cloud_only else "split"

@@ -283,7 +283,6 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             max_new_tokens=session.max_new_tokens,
             seed=session.seed,
             q_counts=True,
-            cloud_led=mode is SessionMode.CLOUD_LED,
             session_mode=SESSION_MODE_TO_PB[mode],
             accepts_lead=True,
             step_ms=step_ms,

@@ -96,6 +96,8 @@ class FinalThenBreak:
         self.calls += 1
         first = await request_iterator.__anext__()
         n = len(first.start.prompt_ids)
+        cloud_only = first.start.session_mode == pb.SESSION_MODE_CLOUD_ONLY
+        mode = pb.SESSION_MODE_CLOUD_ONLY if cloud_only else pb.SESSION_MODE_LOCK_STEP
         yield pb.ServerMessage(
             started=pb.Started(
                 session_id="s",
@@ -105,9 +107,10 @@ class FinalThenBreak:
                 committed_len=n,
                 max_new_tokens=1,
                 seed=5,
+                session_mode=mode,  # a lock-step server: cloud-led asks run lock-step
             )
         )
-        if not first.start.cloud_only:  # a lock-step server (it never sets Started.cloud_led)
+        if mode == pb.SESSION_MODE_LOCK_STEP:
             await request_iterator.__anext__()  # the Draft the verdict answers
         yield pb.ServerMessage(
             verdict=pb.Verdict(

@@ -15,6 +15,9 @@ pytestmark = pytest.mark.slow
 VOCAB = 256  # tests/tiny_models default
 
 
+CLOUD_ONLY, CLOUD_LED = pb.SESSION_MODE_CLOUD_ONLY, pb.SESSION_MODE_CLOUD_LED
+
+
 def start(prompt=(1, 2, 3), **kw) -> pb.ClientMessage:
     sampling = kw.pop("sampling", pb.SamplingParams(max_new_tokens=8))
     fields = dict(protocol_version=PROTOCOL_VERSION, prompt_ids=list(prompt), sampling=sampling)
@@ -118,19 +121,30 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "only sent in",
     ),
-    "draft in cloud_only": (
-        [start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_only=True), draft(3, [1])],
+    "draft in cloud-only": (
+        [
+            start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_ONLY),
+            draft(3, [1]),
+        ],
         grpc.StatusCode.FAILED_PRECONDITION,
-        "cloud_only",
+        "cloud-only",
+    ),
+    "unknown session mode": (
+        [start(session_mode=7)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown session_mode 7",
     ),
     "cloud-led draft past committed_len": (
-        [start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_led=True), draft(10**6, [1])],
+        [
+            start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_LED),
+            draft(10**6, [1]),
+        ],
         grpc.StatusCode.FAILED_PRECONDITION,
         "> committed_len",
     ),
     "lead in a cloud-led session": (
         [
-            start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_led=True),
+            start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_LED),
             pb.ClientMessage(draft=pb.Draft(round=1, base_len=3, tokens=[1], lead=True)),
         ],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -138,7 +152,10 @@ CASES = {
     ),
     "cloud-led q not a distribution": (
         [
-            start(sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=400), cloud_led=True),
+            start(
+                sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=400),
+                session_mode=CLOUD_LED,
+            ),
             draft(3, [1], q=[q_of(1, 0.5)]),
         ],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -238,12 +255,14 @@ def test_triton_down_gives_unavailable(tiny, tmp_path):
 
 
 def test_finish_in_cloud_only_is_not_overwritten(cloud):
-    """An explicit Finish ends a cloud_only stream as CANCELLED, however a round is in flight."""
+    """An explicit Finish ends a cloud-only stream as CANCELLED, however a round is in flight."""
 
     async def run() -> list[pb.ServerMessage]:
         async with grpc.aio.insecure_channel(cloud.address) as channel:
             call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=60)
-            await call.write(start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_only=True))
+            await call.write(
+                start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_ONLY)
+            )
             out = [await call.read(), await call.read()]  # Started, a first Verdict
             await call.write(pb.ClientMessage(finish=pb.Finish()))
             await call.done_writing()

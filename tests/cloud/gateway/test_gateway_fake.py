@@ -132,7 +132,7 @@ def test_idle_split_stream_times_out():
 
 def test_silent_cloud_only_client_is_not_idle():
     msg = start_msg()
-    msg.start.cloud_only = True
+    msg.start.session_mode = pb.SESSION_MODE_CLOUD_ONLY
     msg.start.sampling.max_new_tokens = 20  # 20 rounds of 50 ms: longer than the idle timeout
     replies, code, _ = asyncio.run(silent_stream([msg], SlowTriton, idle_timeout_s=0.3))
     assert code == grpc.StatusCode.OK

@@ -22,7 +22,7 @@ from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import NOWHERE, VOCAB, FakeTriton
 
 # A context long enough for a cloud-only stream to outrun any flow-control window.
-LONG = ModelIdentity("long", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=1 << 24), "")
+LONG = ModelIdentity("long", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=1 << 24))
 NO_BDP = [("grpc.http2.bdp_probe", 0)]
 
 
