@@ -24,8 +24,8 @@ from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.security import Security, load_tokens
 from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
+from specsplit.shared.build_steps import install_hint
 from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
-from specsplit.shared.steps import install_hint
 from specsplit.shared.weights.sources import TARGET_DEFAULT, SourceError, resolve_model
 
 log = logging.getLogger("specsplit.cloud")

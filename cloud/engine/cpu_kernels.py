@@ -60,7 +60,7 @@ from specsplit.cloud.engine.kernel_layouts import (
     paired,
     per_block,
 )
-from specsplit.shared.steps import cache_dir, locked
+from specsplit.shared.build_steps import cache_dir, locked
 
 log = logging.getLogger(__name__)
 

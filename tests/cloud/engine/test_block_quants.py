@@ -16,7 +16,7 @@ import torch
 from specsplit.cloud.engine import block_quants as bq
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine.kernel_layouts import paired
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 from specsplit.shared.weights.sources import DRAFT_DEFAULT
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
