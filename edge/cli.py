@@ -31,7 +31,7 @@ from specsplit.edge.models import (
 from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.cli_help import (
     HelpFormatter,
     add_version,
@@ -45,8 +45,8 @@ from specsplit.shared.weights.wheels import SourceError
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 VERIFICATION = {
     "auto": None,
-    "rejection": VerificationMode.REJECTION,
-    "token-only": VerificationMode.TOKEN_ONLY,
+    "rejection": VerificationRule.REJECTION,
+    "token-only": VerificationRule.TOKEN_ONLY,
 }
 # One default k for generate, serve and the Python API: GenerationConfig's.
 DRAFT_TOKENS = GenerationConfig.draft_tokens

@@ -224,7 +224,7 @@ class _Drafts:
 
     def __init__(self, stream: Stream, started: pb.Started, handover: Handover | None):
         self.stream = stream
-        self.rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
+        self.rejection = started.verification == pb.VERIFICATION_RULE_REJECTION
         self.q_counts = started.q_counts
         self.first_round = self.round = handover.round if handover is not None else 0
         self.sent: dict[int, tuple[int, list[int]]] = {}

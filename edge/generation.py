@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES
 from specsplit.edge.retry import DEFAULT_WINDOW_S
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
@@ -51,7 +51,7 @@ class GenerationConfig:
     # when a run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a
     # cloud-led or adaptive run's blocks depend on timing; greedy output never does).
     session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
-    verification: VerificationMode | None = None  # None: greedy at temperature 0, else rejection
+    verification: VerificationRule | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
     # The draft samples from q quantised to this many steps and sends one byte per entry

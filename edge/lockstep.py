@@ -110,7 +110,7 @@ async def lockstep_rounds(
 
 def _draft(started: pb.Started, round_no: int, base_len: int, block: Block, lead: bool):
     draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens, lead=lead)
-    if block.q is not None and started.verification == pb.VERIFICATION_MODE_REJECTION:
+    if block.q is not None and started.verification == pb.VERIFICATION_RULE_REJECTION:
         draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)
     return pb.ClientMessage(draft=draft)
 

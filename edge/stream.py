@@ -17,9 +17,9 @@ import grpc
 
 from specsplit.edge.mode_switch import Link
 from specsplit.shared.protocol import (
-    MODE_TO_PB,
     PROTOCOL_VERSION,
     SESSION_MODE_TO_PB,
+    VERIFICATION_TO_PB,
     pb,
     sampling_params,
 )
@@ -118,7 +118,7 @@ class Stream:
             model=cfg.model,
             prompt_ids=self.committed,
             sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
-            verification=MODE_TO_PB.get(cfg.verification, 0),
+            verification=VERIFICATION_TO_PB.get(cfg.verification, 0),
             draft_tokenizer=draft_tokenizer or "",
             follows_lead=follows_lead,
             session_mode=SESSION_MODE_TO_PB[mode],

@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "gRPC stubs not generated: install the package (pip install .), or run `make proto`"
     ) from e
 
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist, from_counts
 from specsplit.shared.session_mode import SessionMode
 
@@ -28,12 +28,12 @@ SERVICE_NAME = "specsplit.v1.SpeculativeDecoding"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's own retry policy honours it (gRFC A6)
 RETRY_AFTER_KEY = "retry-after-ms"  # the same hint for clients that retry by hand (the edge)
 
-MODE_TO_PB = {
-    VerificationMode.GREEDY: pb.VERIFICATION_MODE_GREEDY,
-    VerificationMode.REJECTION: pb.VERIFICATION_MODE_REJECTION,
-    VerificationMode.TOKEN_ONLY: pb.VERIFICATION_MODE_TOKEN_ONLY,
+VERIFICATION_TO_PB = {
+    VerificationRule.GREEDY: pb.VERIFICATION_RULE_GREEDY,
+    VerificationRule.REJECTION: pb.VERIFICATION_RULE_REJECTION,
+    VerificationRule.TOKEN_ONLY: pb.VERIFICATION_RULE_TOKEN_ONLY,
 }
-PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
+PB_TO_VERIFICATION = {v: k for k, v in VERIFICATION_TO_PB.items()}
 SESSION_MODE_TO_PB = {
     SessionMode.LOCK_STEP: pb.SESSION_MODE_LOCK_STEP,
     SessionMode.CLOUD_LED: pb.SESSION_MODE_CLOUD_LED,

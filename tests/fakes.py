@@ -37,10 +37,12 @@ class FakeTriton:
         self.sequence_id = 1
         self.seeds: list[int] = []
 
-    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
+    async def start(
+        self, prompt, sampling, verification, seed: int, speculative: bool = True
+    ) -> None:
         self.seeds.append(seed)
 
-    async def reopen(self, prompt, sampling, mode, seed: int) -> None:
+    async def reopen(self, prompt, sampling, verification, seed: int) -> None:
         self.seeds.append(seed)
 
     async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:

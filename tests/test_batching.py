@@ -15,7 +15,7 @@ from scipy import stats
 
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, logits_to_probs
 from specsplit.shared.tiny import reference_greedy
 
@@ -36,12 +36,12 @@ def _sessions():
         mode = "cloud-only" if kind == "cloud-only" else "split"
         if kind == "rejection":
             cfg |= dict(
-                sampling=SamplingConfig(temperature=0.9), verification=VerificationMode.REJECTION
+                sampling=SamplingConfig(temperature=0.9), verification=VerificationRule.REJECTION
             )
         if i == 11:
             kind = "token-only"
             cfg |= dict(
-                sampling=SamplingConfig(temperature=0.9), verification=VerificationMode.TOKEN_ONLY
+                sampling=SamplingConfig(temperature=0.9), verification=VerificationRule.TOKEN_ONLY
             )
         out.append((prompt, mode, kind, cfg))
     return out
@@ -88,7 +88,7 @@ def target_probs(tiny, prompt, cfg: SamplingConfig) -> np.ndarray:
     return logits_to_probs(logits, cfg)
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationRule.REJECTION, VerificationRule.TOKEN_ONLY])
 def test_first_token_follows_target_distribution_under_batching(cloud, tiny, verification):
     """N sessions with seeds 0..N-1 through the whole stack, 8 in flight at a time so their
     rounds are verified inside shared forward passes (asserted); chi-square of the first token.

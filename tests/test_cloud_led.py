@@ -4,7 +4,7 @@ the timing, including a link slow enough to make most drafts stale on arrival.
 Greedy: the output equals transformers' greedy output of the target. Sampled: every verification
 mode completes with the requested length (its exactness is the chi-square test in
 tests/cloud/gateway/test_cloud_led_distribution.py, which runs the gateway's own draft pool), and in
-token-only mode the output is the target's own sampled output for the seed, token for token,
+the token-only rule the output is the target's own sampled output for the seed, token for token,
 whatever the drafter, the session mode and the link: every token is the cloud's draw with the
 session's shared numbers (shared/coupling.py), which drafts can only match, never change.
 """
@@ -18,7 +18,7 @@ import pytest
 from bench.proxy import DelayProxy
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 
@@ -137,7 +137,7 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     assert s.target_forward_passes == s.rounds and s.new_tokens == s.accepted + s.rounds
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationRule.REJECTION, VerificationRule.TOKEN_ONLY])
 def test_sampled_cloud_led_completes(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.target_onnx)
     port = port_of(cloud)
@@ -159,7 +159,7 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
             await gen.collect()
             return gen.token_ids
 
-    cfg = dict(sampling=sampling, verification=VerificationMode.TOKEN_ONLY, seed=11, draft_tokens=4)
+    cfg = dict(sampling=sampling, verification=VerificationRule.TOKEN_ONLY, seed=11, draft_tokens=4)
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert len(want) == N_NEW
@@ -246,13 +246,13 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
         assert s.new_tokens == s.accepted + s.rounds
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.TOKEN_ONLY, VerificationMode.REJECTION])
+@pytest.mark.parametrize("verification", [VerificationRule.TOKEN_ONLY, VerificationRule.REJECTION])
 def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
     cloud, tiny, monkeypatch, verification
 ):
-    """Sampled, the cloud's lead is as lossless: in token-only mode every token is the cloud's
+    """Sampled, the cloud's lead is as lossless: under the token-only rule each token is the cloud's
     draw with the session's shared numbers, so the output is cloud-only's for the seed, token
-    for token; in rejection mode the lock-step block (drafted with its q) becomes a cloud-led
+    for token; under the rejection rule the lock-step block (drafted with its q) becomes a cloud-led
     Draft, and the generation completes (its exactness is the pool's chi-square test in
     tests/cloud/gateway/test_cloud_led_distribution.py: the pool is the same)."""
     from specsplit.edge.mode_switch import LeadChoice
@@ -277,5 +277,5 @@ def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
         s = gen.stats
         assert s.cloud_took_lead and s.lead_round == 1, s.summary()
         assert len(gen.token_ids) == N_NEW and s.new_tokens == s.accepted + s.rounds
-        if verification is VerificationMode.TOKEN_ONLY:
+        if verification is VerificationRule.TOKEN_ONLY:
             assert gen.token_ids == asyncio.run(cloud_only(prompt)), prompt

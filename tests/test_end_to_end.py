@@ -12,7 +12,7 @@ import pytest
 
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 
@@ -78,7 +78,7 @@ def test_edge_only_equals_draft_greedy(tiny, references):
         assert gen.stats.finish == "LENGTH"
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationRule.REJECTION, VerificationRule.TOKEN_ONLY])
 def test_sampling_same_seed_same_output(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.draft_onnx)
     cfg = dict(

@@ -46,7 +46,7 @@ from specsplit.cloud.engine.ragged import RaggedForward, Segment
 from specsplit.cloud.kv_growth import MAX_BLOCK, default_budget_bytes
 from specsplit.shared.acceptance import (
     RoundResult,
-    VerificationMode,
+    VerificationRule,
     verify_greedy,
     verify_rejection,
     verify_token_only,
@@ -71,7 +71,7 @@ class KVCapacityExceeded(MemoryError):
 @dataclass(frozen=True)
 class SessionParams:
     sampling: SamplingConfig
-    mode: VerificationMode
+    verification: VerificationRule
     seed: int = 0
     speculative: bool = True  # False: a cloud-only session (k = 0 every step)
 
@@ -571,14 +571,14 @@ class TargetModel:
             raise ValueError("tokens must hold the last committed token")
         self._check_ids(req.tokens)
         k = len(req.tokens) - 1
-        if session.params.mode is VerificationMode.REJECTION and len(req.q or ()) != k:
-            raise ValueError(f"rejection mode needs q for each of the {k} drafts")
+        if session.params.verification is VerificationRule.REJECTION and len(req.q or ()) != k:
+            raise ValueError(f"the rejection rule needs q for each of the {k} drafts")
         return session
 
     def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
         # Ids past the tokenizer's (a padded vocabulary) are never emitted: greedy looks only
         # at the others; sampling gives them probability 0 (its draws keep the full width).
-        if params.mode is VerificationMode.GREEDY:
+        if params.verification is VerificationRule.GREEDY:
             return verify_greedy(logits[:, : self.token_count].argmax(dim=-1).cpu().numpy(), drafts)
         if self.token_count < logits.shape[-1]:
             logits = logits.clone()
@@ -588,7 +588,7 @@ class TargetModel:
         # Draws no draft decides share their numbers with the edge's drafting at that position.
         noise = SharedNoise(params.seed, p.shape[-1])
         draw = lambda i, probs: noise.draw(base_len + i, probs)  # noqa: E731
-        if params.mode is VerificationMode.REJECTION:
+        if params.verification is VerificationRule.REJECTION:
             return verify_rejection(p, drafts, q or [], rng, draw)
         return verify_token_only(p, drafts, rng, draw)
 

@@ -52,7 +52,7 @@ class Lease:
         self.opened = False  # a START was (or may have been) sent
         self.moves = 0  # re-opens after a lost session or a failed replica
         self._call_task: asyncio.Future | None = None  # the latest call to Triton
-        self._params: tuple = ()  # sampling, mode, seed, speculative: what a re-open repeats
+        self._params: tuple = ()  # what a re-open repeats: sampling, rule, seed, speculative
 
     @property
     def client(self) -> aioclient.InferenceServerClient:
@@ -64,8 +64,10 @@ class Lease:
         reported at the last (re-)open; None when it did not say (an older model, a fake)."""
         return getattr(self.triton, "kv_bytes_per_token", None)
 
-    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
-        self._params = (sampling, mode, seed, speculative)
+    async def start(
+        self, prompt, sampling, verification, seed: int, speculative: bool = True
+    ) -> None:
+        self._params = (sampling, verification, seed, speculative)
         try:
             await self._call(self.triton.start(prompt, *self._params), opens=True)
         except TritonUnavailable:

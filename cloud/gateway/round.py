@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.gateway.lease import Lease
 from specsplit.cloud.gateway.session import Code, Commit, Finish, GatewaySession, ProtocolError
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.protocol import pb, sparse_from_pb
 from specsplit.shared.sampling import SparseDist
 
@@ -51,7 +51,11 @@ class Round:
             exact_base=exact_base,
             continues=draft.continues,
         )
-        return self._parse_q(draft) if self.session.mode is VerificationMode.REJECTION else None
+        return (
+            self._parse_q(draft)
+            if self.session.verification is VerificationRule.REJECTION
+            else None
+        )
 
     def _parse_q(self, draft: pb.Draft) -> list[SparseDist]:
         lim = self.session.limits

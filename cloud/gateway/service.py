@@ -59,10 +59,10 @@ from specsplit.cloud.gateway.triton_client import (
     TritonUnavailable,
 )
 from specsplit.shared.protocol import (
-    MODE_TO_PB,
     PROTOCOL_VERSION,
     SERVICE_NAME,
     SESSION_MODE_TO_PB,
+    VERIFICATION_TO_PB,
     pb,
     pb_grpc,
 )
@@ -148,7 +148,11 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     await self._reserve(ticket, lease, session.committed_len)
                     self.metrics.observe_queue(time.perf_counter() - t_start)
                     await lease.start(
-                        session.prompt, session.sampling, session.mode, session.seed, mode.drafts
+                        session.prompt,
+                        session.sampling,
+                        session.verification,
+                        session.seed,
+                        mode.drafts,
                     )
                     self._observe_target(lease)
                 started = self._started(session, mode, t_start, first.start.follows_lead)
@@ -278,7 +282,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 max_q_entries=lim.max_q_entries,
             ),
             protocol_version=PROTOCOL_VERSION,
-            verification=MODE_TO_PB[session.mode],
+            verification=VERIFICATION_TO_PB[session.verification],
             committed_len=session.committed_len,
             max_new_tokens=session.max_new_tokens,
             seed=session.seed,

@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 MODEL_NAME = "target"
@@ -159,7 +159,7 @@ class TritonSequence:
         self,
         prompt: Sequence[int],
         sampling: SamplingConfig,
-        mode: VerificationMode,
+        verification: VerificationRule,
         seed: int,
         speculative: bool = True,
     ) -> None:
@@ -169,7 +169,7 @@ class TritonSequence:
             _tensor("TOP_K", np.array([[sampling.top_k]], np.int32), "INT32"),
             _tensor("TOP_P", np.array([[sampling.top_p]], np.float32), "FP32"),
             _tensor("SEED", np.array([[seed]], np.uint64), "UINT64"),
-            _tensor("MODE", np.array([[int(mode)]], np.int32), "INT32"),
+            _tensor("VERIFICATION", np.array([[int(verification)]], np.int32), "INT32"),
             _tensor("SPECULATIVE", np.array([[int(speculative)]], np.int32), "INT32"),
         ]
         if self.client_share:
@@ -205,11 +205,11 @@ class TritonSequence:
             block_hint=_int(result, "BLOCK_HINT"),
         )
 
-    async def reopen(self, prompt: Sequence[int], sampling, mode, seed) -> None:
+    async def reopen(self, prompt: Sequence[int], sampling, verification, seed) -> None:
         """A fresh sequence holding ``prompt`` (the committed prefix) after SessionLost."""
         self.sequence_id = next(_sequence_ids)
         self._open = False
-        await self.start(prompt, sampling, mode, seed, self.speculative)
+        await self.start(prompt, sampling, verification, seed, self.speculative)
 
     async def close(self) -> None:
         """Frees the session's KV cache in Triton and ends the stream. Never raises."""

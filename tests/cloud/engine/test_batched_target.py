@@ -15,11 +15,11 @@ from specsplit.cloud.engine.target import (
     TargetModel,
     Verify,
 )
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from specsplit.cloud.engine.kernel_layouts import int4_levels, paired, reference
 from specsplit.cloud.engine.quantized import grid_share, quantize_int4, quantize_int8
 from specsplit.cloud.engine.ragged import Segment
 from specsplit.cloud.engine.target import Open, SessionParams, TargetModel, Verify
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2
 from tests.cloud.engine.passes import ragged_passes, stepped_alone
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the AVX2 CPU kernels")
 
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
 BACKENDS = kernels.supported_backends() if kernels.available() else []
 
 

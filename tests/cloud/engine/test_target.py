@@ -8,11 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specsplit.cloud.engine.target import SessionNotFound, SessionParams, TargetModel
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_idle_sessions_are_evicted(target):
 
 
 def test_sampled_round_is_reproducible_by_position(target):
-    params = SessionParams(SamplingConfig(temperature=1.0), VerificationMode.REJECTION, seed=7)
+    params = SessionParams(SamplingConfig(temperature=1.0), VerificationRule.REJECTION, seed=7)
     q = [SparseDist(np.array([10, 11]), np.array([0.5, 0.5]))]
     results = []
     for sid in (1, 2):

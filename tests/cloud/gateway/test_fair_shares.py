@@ -13,7 +13,7 @@ import pytest
 from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.security import Security, TokenAuth
 from specsplit.cloud.gateway.triton_client import TritonSequence
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
@@ -136,7 +136,7 @@ def test_each_sequence_tells_the_target_its_client():
     shares: list[int] = []
 
     class Recording(FakeTriton):
-        async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True):
+        async def start(self, prompt, sampling, verification, seed: int, speculative: bool = True):
             shares.append(self.client_share)
 
     async def one(address: str, token: str) -> None:
@@ -172,7 +172,7 @@ def test_a_start_sends_its_client_share():
     async def run():
         sequence = TritonSequence(Client())
         sequence.client_share = 12345
-        await sequence.start([1, 2], SamplingConfig(), VerificationMode.GREEDY, seed=0)
+        await sequence.start([1, 2], SamplingConfig(), VerificationRule.GREEDY, seed=0)
         await sequence.close()
 
     asyncio.run(run())

@@ -96,8 +96,8 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "max_new_tokens",
     ),
-    "greedy mode with temperature": (
-        [start(sampling=HOT, verification=pb.VERIFICATION_MODE_GREEDY)],
+    "greedy rule with temperature": (
+        [start(sampling=HOT, verification=pb.VERIFICATION_RULE_GREEDY)],
         grpc.StatusCode.INVALID_ARGUMENT,
         "temperature 0",
     ),
@@ -116,10 +116,10 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "outside q[0]",
     ),
-    "q in greedy mode": (
+    "q under the greedy rule": (
         [start(), draft(3, [1], q=[q_of(1)])],
         grpc.StatusCode.INVALID_ARGUMENT,
-        "only sent in",
+        "only sent under the rejection rule",
     ),
     "draft in cloud-only": (
         [
@@ -176,10 +176,10 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "top_p",
     ),
-    "unknown verification mode": (
+    "unknown verification rule": (
         [start(verification=7)],
         grpc.StatusCode.INVALID_ARGUMENT,
-        "verification mode",
+        "verification rule",
     ),
     "prompt fills max_context": (
         [start(prompt=[1] * 1024)],
@@ -280,7 +280,7 @@ def test_top_k_beyond_the_vocabulary_means_no_truncation(cloud):
     """top_k >= vocab_size keeps every token (read as 0); it used to wrap to a negative int32."""
     big = pb.SamplingParams(temperature=0.8, top_k=2**31, max_new_tokens=4, seed=1)
     none = pb.SamplingParams(temperature=0.8, top_k=0, max_new_tokens=4, seed=1)
-    token_only = pb.VERIFICATION_MODE_TOKEN_ONLY
+    token_only = pb.VERIFICATION_RULE_TOKEN_ONLY
     a = exchange(cloud.address, [start(sampling=big, verification=token_only), draft(3, [5])])
     b = exchange(cloud.address, [start(sampling=none, verification=token_only), draft(3, [5])])
     assert a[-1].finished == b[-1].finished and a[1].verdict.token == b[1].verdict.token

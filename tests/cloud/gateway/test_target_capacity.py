@@ -76,7 +76,7 @@ def test_the_targets_refusal_reaches_the_edge_with_a_retry_hint():
     leases = []
 
     class Full(FakeTriton):
-        async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True):
+        async def start(self, prompt, sampling, verification, seed: int, speculative: bool = True):
             leases.append(self.lease_s)
 
         async def verify(self, base_len, tokens, q=None):

@@ -14,7 +14,7 @@ import tritonclient.grpc.aio as aioclient
 from specsplit.cloud.gateway.triton_client import SessionLost, TargetFull, TritonSequence
 from specsplit.cloud.kv_growth import MIN_SLOT, KVShape
 from specsplit.cloud.supervision.process import CloudProcess
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def small(tiny, tmp_path_factory):
 async def _start(client, prompt, lease_s: float = 0.0) -> TritonSequence:
     sequence = TritonSequence(client)
     sequence.lease_s = lease_s
-    await sequence.start(prompt, SamplingConfig(), VerificationMode.GREEDY, seed=0)
+    await sequence.start(prompt, SamplingConfig(), VerificationRule.GREEDY, seed=0)
     return sequence
 
 

@@ -28,7 +28,7 @@ from specsplit.cloud.engine.target import (
     TargetModel,
     Verify,
 )
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 log = logging.getLogger("specsplit.target")
@@ -127,7 +127,7 @@ def _parse(request) -> Request:
         )
         params = SessionParams(
             sampling,
-            VerificationMode(int(_scalar(request, "MODE", int(VerificationMode.GREEDY)))),
+            VerificationRule(int(_scalar(request, "VERIFICATION", int(VerificationRule.GREEDY)))),
             seed=int(_scalar(request, "SEED", 0)),
             speculative=bool(_scalar(request, "SPECULATIVE", 1)),
         )
