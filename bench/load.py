@@ -132,7 +132,7 @@ def record(mode, temperature, n, t0, start, gen) -> dict:
         **{k: getattr(s, k) for k in ("rounds", "drafted", "accepted", "new_tokens")},
         "batch_sessions": s.batch_sessions,
         "batch_rows": s.batch_rows,
-        "block_hint": s.block_hint,
+        "block_hint": s.max_draft_tokens_hint,
     }
 
 

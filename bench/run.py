@@ -217,7 +217,7 @@ def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
         "queue_ms": s.queue_ms,
         "token_times_s": s.token_times_s,
         "k_chosen": s.k_chosen,
-        "block_hint": s.block_hint,
+        "block_hint": s.max_draft_tokens_hint,
     }
 
 

@@ -123,7 +123,9 @@ class GenerationStats:
     verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
     server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
     queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
-    block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
+    max_draft_tokens_hint: list[int] = field(
+        default_factory=list
+    )  # per round, the cloud's largest k wanted
     k_chosen: list[int] = field(default_factory=list)  # per round, the adaptive k
     batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
     batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass

@@ -68,8 +68,8 @@ class Link(NamedTuple):
 class LeadChoice:
     """Measures lock-step rounds; ``should_lead`` says when cloud-led would be faster."""
 
-    def __init__(self, k_max: int, greedy: bool) -> None:
-        self.lengths = DraftLength(k_max)  # acceptance per position, pass cost by rows
+    def __init__(self, max_draft_tokens: int, greedy: bool) -> None:
+        self.lengths = DraftLength(max_draft_tokens)  # acceptance per position, pass cost by rows
         self.greedy = greedy
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass
         self.overhead_ms: float = 0.0  # per step: at the gateway, minus the pass

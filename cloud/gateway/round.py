@@ -105,5 +105,5 @@ class Round:
                 batch_sessions=reply.batch_sessions,
                 batch_rows=reply.batch_rows,
             ),
-            max_draft_tokens_hint=min(reply.block_hint, session.limits.max_draft_tokens),
+            max_draft_tokens_hint=min(reply.max_draft_tokens_hint, session.limits.max_draft_tokens),
         )

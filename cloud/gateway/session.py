@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specsplit.cloud.kv_growth import MAX_BLOCK
+from specsplit.cloud.kv_growth import MAX_DRAFT_TOKENS
 from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
@@ -49,7 +49,7 @@ class Finish(enum.IntEnum):
 class ModelLimits:
     vocab_size: int
     max_context: int
-    max_draft_tokens: int = MAX_BLOCK
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
     max_q_entries: int = 64
     eos_token_ids: tuple[int, ...] = ()
 

@@ -29,7 +29,7 @@ _OUTPUTS = (
     "CACHE_LEN",
     "BATCH_ROWS",
     "BATCH_SESSIONS",
-    "BLOCK_HINT",
+    "MAX_DRAFT_TOKENS_HINT",
 )
 # Random base: a restarted gateway never reuses a live sequence id.
 _sequence_ids = itertools.count(secrets.randbits(62) + 1)
@@ -60,7 +60,7 @@ class VerifyReply:
     roundtrip_ms: float  # gateway -> Triton -> gateway
     batch_rows: int = 0  # rows of the forward pass that served it (all sessions together)
     batch_sessions: int = 0  # sessions in that pass
-    block_hint: int = 0  # the largest draft block the cloud wants now
+    max_draft_tokens_hint: int = 0  # the largest draft block the cloud wants now
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -202,7 +202,7 @@ class TritonSequence:
             roundtrip_ms=(time.perf_counter() - t0) * 1e3,
             batch_rows=_int(result, "BATCH_ROWS"),
             batch_sessions=_int(result, "BATCH_SESSIONS"),
-            block_hint=_int(result, "BLOCK_HINT"),
+            max_draft_tokens_hint=_int(result, "MAX_DRAFT_TOKENS_HINT"),
         )
 
     async def reopen(self, prompt: Sequence[int], sampling, verification, seed) -> None:

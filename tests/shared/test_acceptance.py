@@ -83,7 +83,7 @@ def test_token_only_with_one_hot_target_matches_greedy():
     assert (r.accepted, r.token) == (1, 4)
 
 
-def test_resolve_mode():
+def test_resolve_verification():
     assert resolve_verification(None, 0.0, has_q=True) is VerificationRule.GREEDY
     assert (
         resolve_verification(VerificationRule.REJECTION, 0.0, has_q=True) is VerificationRule.GREEDY

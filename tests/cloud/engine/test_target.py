@@ -111,9 +111,11 @@ def test_steps_without_drafts_after_a_hint_of_none_revive_the_acceptance_estimat
     for _ in range(15):
         target.acceptance.observe(0, 4)
     low = target.acceptance.rate
-    target.verify(1, 3, [2])  # the hint (MAX_BLOCK so far) allowed drafts: none came, by choice
+    target.verify(
+        1, 3, [2]
+    )  # the hint (MAX_DRAFT_TOKENS so far) allowed drafts: none came, by choice
     assert target.acceptance.rate == low
-    target.last_pass = replace(target.last_pass, block_hint=0)
+    target.last_pass = replace(target.last_pass, max_draft_tokens_hint=0)
     target.verify(1, 4, [7])
     assert target.acceptance.rate > low
 
@@ -141,5 +143,5 @@ def test_a_prefill_in_the_pass_does_not_inflate_the_block_hint(target):
         if with_prefill:
             requests.append(Open(99, list(range(45)), GREEDY))
         target.run(requests)
-        hints.append(target.last_pass.block_hint)
+        hints.append(target.last_pass.max_draft_tokens_hint)
     assert hints[0] == hints[1] == 1
