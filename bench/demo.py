@@ -122,7 +122,7 @@ async def demo(args, address: str, draft_dir: Path, edge_threads: int) -> None:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature),
         seed=args.seed,
-        draft_tokens=args.k,
+        max_draft_tokens=args.k,
     )
     drafter = OnnxDrafter(draft_dir, threads=edge_threads)
     console.rule(f"[bold]split: {args.prompt}")

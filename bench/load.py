@@ -67,7 +67,7 @@ def gen_config(temperature: float, seed: int, max_new: int) -> GenerationConfig:
         max_new_tokens=max_new,
         sampling=SamplingConfig(temperature=temperature),
         seed=seed,
-        draft_tokens=K,
+        max_draft_tokens=K,
         # lock-step with a fixed k: the replayed blocks are recorded per round of k
         adaptive=False,
         session_mode="lock-step",

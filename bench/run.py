@@ -187,7 +187,7 @@ async def generate(
         max_new_tokens=max_new,
         sampling=SamplingConfig(temperature=cfg.temperature),
         seed=seed,
-        draft_tokens=max(cfg.k, 1),
+        max_draft_tokens=max(cfg.k, 1),
         adaptive=cfg.mode != "lock-step",
         # auto(-warm) and cloud-led: as with no seed (adaptive); the seed keeps runs comparable
         session_mode=SESSION_MODE.get(cfg.mode, "lock-step"),

@@ -49,7 +49,7 @@ VERIFICATION = {
     "token-only": VerificationRule.TOKEN_ONLY,
 }
 # One default k for generate, serve and the Python API: GenerationConfig's.
-DRAFT_TOKENS = GenerationConfig.draft_tokens
+DEFAULT_MAX_DRAFT_TOKENS = GenerationConfig.max_draft_tokens
 # --precision's values are named as the cloud's --dtype names float formats (float32, float16);
 # the export's own tags (edge.models.PRECISIONS: fp32, fp16, int4-fp16) name its cache entries.
 # The tags were the flag's values before: accepted, with a warning, for one release.
@@ -87,7 +87,7 @@ def _config(args) -> GenerationConfig:
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=args.seed,
-        draft_tokens=args.draft_tokens,
+        max_draft_tokens=args.max_draft_tokens,
         adaptive=False if args.fixed_k else None,
         session_mode=args.session_mode,
         verification=VERIFICATION[args.verification],
@@ -237,9 +237,9 @@ async def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    if args.concurrency < 1 or args.draft_tokens < 0 or args.retry_window < 0:
+    if args.concurrency < 1 or args.max_draft_tokens < 0 or args.retry_window < 0:
         raise SystemExit(
-            "specsplit-edge: --concurrency must be >= 1, --draft-tokens and --retry-window >= 0"
+            "specsplit-edge: --concurrency must be >= 1, --max-draft-tokens and --retry-window >= 0"
         )
     if args.max_waiting < 0 or args.max_body_bytes < 1 or not args.send_timeout > 0:
         raise SystemExit(
@@ -262,7 +262,7 @@ def _serve(args) -> int:
         mode=args.mode,
         concurrency=args.concurrency,
         generation=GenerationConfig(
-            draft_tokens=args.draft_tokens,
+            max_draft_tokens=args.max_draft_tokens,
             model=args.target_name,
             retry_window_s=args.retry_window,
         ),
@@ -427,12 +427,13 @@ def _add_serve_parser(sub) -> None:
         "and its slot freed (default 60)",
     )
     s.add_argument(
-        "--draft-tokens",
+        "--max-draft-tokens",
         type=int,
-        default=DRAFT_TOKENS,
+        default=DEFAULT_MAX_DRAFT_TOKENS,
         help="the largest k (tokens drafted per round); k adapts per round "
-        f"(default {DRAFT_TOKENS})",
+        f"(default {DEFAULT_MAX_DRAFT_TOKENS})",
     )
+    deprecated_alias(s, "--draft-tokens", "--max-draft-tokens", type=int)
     s.add_argument(
         "--target-name",
         default="",
@@ -501,13 +502,16 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
     )
     g.add_argument(
-        "--draft-tokens",
+        "--max-draft-tokens",
         type=int,
-        default=DRAFT_TOKENS,
+        default=DEFAULT_MAX_DRAFT_TOKENS,
         help="the largest k (tokens drafted per round); k adapts per round unless --fixed-k "
-        f"(default {DRAFT_TOKENS})",
+        f"(default {DEFAULT_MAX_DRAFT_TOKENS})",
     )
-    g.add_argument("--fixed-k", action="store_true", help="draft exactly --draft-tokens per round")
+    deprecated_alias(g, "--draft-tokens", "--max-draft-tokens", type=int)
+    g.add_argument(
+        "--fixed-k", action="store_true", help="draft exactly --max-draft-tokens per round"
+    )
     g.add_argument(
         "--session-mode",
         choices=SESSION_MODES,
@@ -600,8 +604,10 @@ def main(argv: list[str] | None = None) -> int:
             return _info(args)
         if args.command == "serve":
             return _serve(args)
-        if args.max_new_tokens < 1 or args.draft_tokens < 0:
-            raise SystemExit("specsplit-edge: --max-new-tokens must be >= 1, --draft-tokens >= 0")
+        if args.max_new_tokens < 1 or args.max_draft_tokens < 0:
+            raise SystemExit(
+                "specsplit-edge: --max-new-tokens must be >= 1, --max-draft-tokens >= 0"
+            )
         return asyncio.run(_generate(args))
     except SpecsplitError as e:
         print(f"specsplit-edge: {e}{_hint(e, args)}", file=sys.stderr)

@@ -133,7 +133,7 @@ async def cloud_led_rounds(
     the lead block and reaches past it, with the acceptance the lock-step rounds measured, while
     the cloud verifies it, instead of waiting for that verdict."""
     stats = stream.stats
-    max_draft_tokens = min(plan.draft_tokens, started.limits.max_draft_tokens)
+    max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     reach = None
     if plan.adaptive:
         limit = started.limits.max_draft_tokens

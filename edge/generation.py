@@ -34,9 +34,9 @@ class GenerationConfig:
     # None: the server picks a seed per request (edge-only: the edge does) and reports it in
     # stats.seed; give one to reproduce a run.
     seed: int | None = None
-    # The largest k. Each round drafts the k in [0, draft_tokens] that maximises expected tokens
-    # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly draft_tokens).
-    draft_tokens: int = 8
+    # The largest k. Each round drafts the k in [0, max_draft_tokens] that maximises expected tokens
+    # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly max_draft_tokens).
+    max_draft_tokens: int = 8
     adaptive: bool | None = None  # None: adapt, except in a seeded sampled run (reproducible)
     # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
     # compute-bound). False keeps k fixed (adaptive too): seeded sampled runs then repeat exactly

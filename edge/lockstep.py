@@ -39,7 +39,7 @@ async def lockstep_rounds(
 ) -> AsyncIterator[list[int]]:
     """From Started; ``first``: the first block and its drafting time (ms), drafted early."""
     stats = stream.stats
-    max_draft_tokens = min(plan.draft_tokens, started.limits.max_draft_tokens)
+    max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(max_draft_tokens) if plan.adaptive else None
     switch = LeadChoice(max_draft_tokens, rule.sampling.greedy) if plan.may_lead else None
     t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle

@@ -25,8 +25,8 @@ class SessionPlan:
     mode: SessionMode  # asked at Start; once settled, the mode the server runs
     auto: bool  # session mode auto: the edge chose the mode itself
     may_lead: bool  # lock-step rounds may hand over to cloud-led (Draft.lead)
-    draft_tokens: int  # the largest k
-    adaptive: bool  # k chosen per round (edge.adaptive), else draft_tokens
+    max_draft_tokens: int  # the largest k
+    adaptive: bool  # k chosen per round (edge.adaptive), else max_draft_tokens
     obeys_hint: bool  # lock-step blocks shrink to the cloud's hint
     follow_hint: bool  # a cloud-led speculation reaches no further than the hint
     draft_ahead: bool  # lock-step drafts the next block while a verdict is in flight
@@ -53,7 +53,7 @@ class SessionPlan:
             mode=mode,
             auto=not cloud_only and cfg.session_mode == AUTO,
             may_lead=may_lead,
-            draft_tokens=cfg.draft_tokens,
+            max_draft_tokens=cfg.max_draft_tokens,
             adaptive=cfg.adapts,
             obeys_hint=cfg.obeys_hint,
             follow_hint=cfg.follow_hint,

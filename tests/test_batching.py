@@ -32,7 +32,7 @@ def _sessions():
     out = []
     for i, (n, kind) in enumerate(zip(lengths, kinds, strict=True)):
         prompt = rng.integers(0, 256, size=n).tolist()
-        cfg = dict(max_new_tokens=N_NEW, draft_tokens=1 + i % 6, seed=i)
+        cfg = dict(max_new_tokens=N_NEW, max_draft_tokens=1 + i % 6, seed=i)
         mode = "cloud-only" if kind == "cloud-only" else "split"
         if kind == "rejection":
             cfg |= dict(
@@ -115,7 +115,7 @@ def test_first_token_follows_target_distribution_under_batching(cloud, tiny, ver
                         "split",
                         dict(
                             max_new_tokens=2,
-                            draft_tokens=1,
+                            max_draft_tokens=1,
                             sampling=cfg,
                             seed=base + j,
                             verification=verification,

@@ -72,7 +72,7 @@ def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
     port = port_of(cloud)
     for prompt in PROMPTS:
-        gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, draft_tokens=4))
+        gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, max_draft_tokens=4))
         s = gen.stats
         assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
         assert s.finish == "LENGTH"
@@ -93,7 +93,7 @@ def test_greedy_auto_switching_mid_stream_equals_target_greedy(
         drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
         for prompt in PROMPTS:
             gen = asyncio.run(
-                _generate(port_of(cloud), rtt_ms, drafter, prompt, "auto", draft_tokens=4)
+                _generate(port_of(cloud), rtt_ms, drafter, prompt, "auto", max_draft_tokens=4)
             )
             s = gen.stats
             assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
@@ -159,7 +159,9 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
             await gen.collect()
             return gen.token_ids
 
-    cfg = dict(sampling=sampling, verification=VerificationRule.TOKEN_ONLY, seed=11, draft_tokens=4)
+    cfg = dict(
+        sampling=sampling, verification=VerificationRule.TOKEN_ONLY, seed=11, max_draft_tokens=4
+    )
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert len(want) == N_NEW
@@ -238,7 +240,7 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert want == target_greedy[tuple(prompt)]
-        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", draft_tokens=4))
+        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", max_draft_tokens=4))
         s = gen.stats
         assert gen.token_ids == want, (prompt, draft)
         assert s.cloud_took_lead and s.lead_round == 1, s.summary()
@@ -271,7 +273,7 @@ def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
             cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=5)
             return await client.generate(prompt, cfg, mode="cloud-only").collect()
 
-    cfg = dict(sampling=sampling, verification=verification, seed=5, draft_tokens=4)
+    cfg = dict(sampling=sampling, verification=verification, seed=5, max_draft_tokens=4)
     for prompt in PROMPTS:
         gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", **cfg))
         s = gen.stats

@@ -33,7 +33,7 @@ def test_generate_json(cloud, tiny, mode):
         "1,2,3,4,5",
         "--max-new-tokens",
         "12",
-        "--draft-tokens",
+        "--max-draft-tokens",
         "3",
         "--mode",
         mode,

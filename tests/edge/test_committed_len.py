@@ -71,7 +71,7 @@ async def _generate(lie, mode: str, window_s: float) -> tuple[list[int], object,
         try:
             async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
                 cfg = GenerationConfig(
-                    max_new_tokens=N, draft_tokens=2, retry_window_s=window_s,
+                    max_new_tokens=N, max_draft_tokens=2, retry_window_s=window_s,
                     **({"session_mode": session_mode} if session_mode else {}),
                 )  # fmt: skip
                 gen = client.generate(PROMPT, cfg, mode=mode)

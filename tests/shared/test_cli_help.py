@@ -137,6 +137,13 @@ assert rc == 1, rc
         ("specsplit-edge", ["export", "--model", "d", "--out", "o"], "draft", "d"),
         ("specsplit-edge", ["serve", "--model", "t"], "target_name", "t"),
         ("specsplit-edge", ["serve", "--model-name", "api"], "served_model_name", "api"),
+        ("specsplit-edge", ["serve", "--draft-tokens", "3"], "max_draft_tokens", 3),
+        (
+            "specsplit-edge",
+            ["generate", "--draft-tokens", "3", "--prompt", "p"],
+            "max_draft_tokens",
+            3,
+        ),
         ("specsplit-cloud", ["serve", "--model-name", "t"], "target_name", "t"),
         ("specsplit-cloud", ["serve", "--sessions-per-token", "3"], "sessions_per_client", 3),
     ],

@@ -157,7 +157,7 @@ def test_fuzzed_streams_end_with_precise_statuses(cloud, tiny):
 
     async def greedy() -> list[int]:
         async with SplitClient(cloud.address, OnnxDrafter(tiny.draft_onnx)) as client:
-            cfg = GenerationConfig(max_new_tokens=16, draft_tokens=3)
+            cfg = GenerationConfig(max_new_tokens=16, max_draft_tokens=3)
             return await client.generate([1, 2, 3, 4, 5], cfg).collect()
 
     assert asyncio.run(greedy()) == reference_greedy(tiny.target, [1, 2, 3, 4, 5], 16)

@@ -161,7 +161,7 @@ def test_counters_equal_the_clients_stats_on_real_parts(
         for name, (drafter, prompt, k) in drafts.items():
             before = cloud.read()
             stats = asyncio.run(
-                generate(cloud.address, drafter, prompt, mode, draft_tokens=k, **cfg)
+                generate(cloud.address, drafter, prompt, mode, max_draft_tokens=k, **cfg)
             )
             if found := disagreements(delta(before, cloud.read()), stats, label):
                 wrong[name] = found

@@ -102,7 +102,7 @@ def serve(cloud, draft_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     server = EdgeServe(
         "--server", cloud.address, "--draft", str(draft_dir), "--concurrency", "2",
-        "--draft-tokens", "3", "--retry-window", "0", log_path=log,
+        "--max-draft-tokens", "3", "--retry-window", "0", log_path=log,
     )  # fmt: skip
     try:
         yield server
