@@ -28,7 +28,7 @@ from specsplit.edge.models import (
     PRECISIONS,
     cached_tokenizer_dir,
 )
-from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
+from specsplit.edge.openai.request_guard import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
 from specsplit.shared.acceptance import VerificationRule

@@ -32,9 +32,9 @@ from starlette.exceptions import HTTPException
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.openai.health import HealthProbe
 from specsplit.edge.openai.hosts import HostAllowList, HostPolicy
-from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING, RequestLimits
 from specsplit.edge.openai.metrics import EdgeMetrics, speculative_decoding
 from specsplit.edge.openai.pool import ClientPool, Run
+from specsplit.edge.openai.request_guard import MAX_BODY_BYTES, MAX_WAITING, RequestGuard
 from specsplit.edge.openai.responses import Reply, finish_reason, speculation, sse, usage
 from specsplit.edge.openai.schema import (
     APIError,
@@ -75,7 +75,7 @@ class ServeConfig:
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
     allowed_hosts: tuple[str, ...] = ()  # Host names answered beyond loopback (edge.openai.hosts)
     bound_host: str | None = None  # the address or name the server listens on (also allowed)
-    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai.limits)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai.request_guard)
     max_waiting: int = MAX_WAITING  # requests waiting for a slot; more at once: 429
     send_timeout_s: float = 60.0  # a stream its client does not read for this long is ended
 
@@ -321,8 +321,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     _answer_errors_as_openai(app)
     # Added before the API key check, so that one runs first (the last added is outermost).
-    limits = dict(max_body_bytes=cfg.max_body_bytes, max_requests=cfg.concurrency + cfg.max_waiting)
-    app.add_middleware(RequestLimits, **limits)
+    guard = dict(max_body_bytes=cfg.max_body_bytes, max_requests=cfg.concurrency + cfg.max_waiting)
+    app.add_middleware(RequestGuard, **guard)
     if cfg.api_key:
         _require_api_key(app, cfg.api_key)
     # Last added, so outermost: a rebound name gets nothing else, not even a 401 or 429.

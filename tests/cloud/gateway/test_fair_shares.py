@@ -1,6 +1,6 @@
 """What one client may cost the gateway besides sessions (issue 39, item 4): a stream without a
 valid token is refused from its metadata, none of its messages read; one connection holds at most
-``GatewayLimits.max_streams_per_connection`` streams. (The per-client KV quota's accounting is in
+``StreamPolicy.max_streams_per_connection`` streams. (The per-client KV quota's accounting is in
 test_admission.py.)"""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 import grpc
 import pytest
 
-from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.security import Security, TokenAuth
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.cloud.gateway.triton_client import TritonSequence
 from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
@@ -94,7 +94,7 @@ def test_one_connection_holds_at_most_its_cap_of_streams():
 
     async def run():
         async with (
-            gateway(limits=GatewayLimits(max_streams_per_connection=2)) as address,
+            gateway(policy=StreamPolicy(max_streams_per_connection=2)) as address,
             grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as greedy,
             grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as other,
         ):
@@ -124,10 +124,10 @@ def test_one_connection_holds_at_most_its_cap_of_streams():
 
 
 def test_the_cap_reaches_the_server_options():
-    options = dict(GatewayLimits(max_streams_per_connection=3).server_options())
+    options = dict(StreamPolicy(max_streams_per_connection=3).server_options())
     assert options["grpc.max_concurrent_streams"] == 3
     with pytest.raises(ValueError, match="streams per connection"):
-        GatewayLimits(max_streams_per_connection=0)
+        StreamPolicy(max_streams_per_connection=0)
 
 
 def test_each_sequence_tells_the_target_its_client():

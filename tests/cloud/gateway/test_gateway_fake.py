@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import grpc
 import pytest
 
-from specsplit.cloud.gateway.limits import GatewayLimits
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.cloud.gateway.triton_client import SessionLost, VerifyReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import FakeTriton, gateway
@@ -102,10 +102,10 @@ class SlowTriton(FakeTriton):
         return await super().verify(base_len, tokens, q)
 
 
-async def silent_stream(messages: list[pb.ClientMessage], factory=FakeTriton, **limits_kw):
+async def silent_stream(messages: list[pb.ClientMessage], factory=FakeTriton, **policy_kw):
     """Sends ``messages`` and then nothing (without half-closing); returns the final status."""
     async with (
-        gateway(factory, limits=GatewayLimits(**limits_kw)) as address,
+        gateway(factory, policy=StreamPolicy(**policy_kw)) as address,
         grpc.aio.insecure_channel(address) as channel,
     ):
         call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=20)

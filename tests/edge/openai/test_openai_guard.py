@@ -1,7 +1,7 @@
 """`specsplit-edge serve` on a laptop: the Host allow-list against DNS rebinding
 (edge.openai.hosts), an API key required off loopback, tokenising off the event loop, request
 paths logged with repr. The app is called in process over plain ASGI (its cloud is nowhere: no
-request here reaches it); tests/edge/openai/test_openai_limits.py sends a rebinding request to
+request here reaches it); tests/edge/openai/test_request_guard.py sends a rebinding request to
 the real server process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`specsplit-edge serve`'s own limits (edge.openai.limits), on the real server process: a body
+"""`specsplit-edge serve`'s request guard (edge.openai.request_guard), on the real server: a body
 over the limit is a 413 before it is read whole; a generation request beyond the slots and the
 queue for them is a 429 with Retry-After at once, while the requests already taken finish."""
 
