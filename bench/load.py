@@ -76,7 +76,7 @@ def gen_config(temperature: float, seed: int, max_new: int) -> GenerationConfig:
 
 async def one(address, drafter, ids, cfg, mode, started: list) -> None:
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(ids, cfg, mode=mode)
+        gen = client.generate(ids, cfg, route=mode)
         started.append((time.perf_counter(), gen))
         await gen.collect()
 

@@ -195,7 +195,7 @@ async def generate(
     mode = "split" if split else cfg.mode
     address = None if cfg.mode == "edge-only" else address
     async with SplitClient(address, drafter, link=link) as client:
-        gen = client.generate(prompt_ids, gen_cfg, mode=mode)
+        gen = client.generate(prompt_ids, gen_cfg, route=mode)
         await gen.collect()
     return gen, client.link
 
@@ -203,7 +203,7 @@ async def generate(
 def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
     s = gen.stats
     return {
-        **s.summary(),  # first: its "mode" is the client's ("split"), the bench's comes next
+        **s.summary(),  # the client's route ("split"), then the bench's config and mode
         **asdict(cfg),
         "key": cfg.key,
         "prompt_id": prompt["id"],

@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 
 from specsplit.edge.client import (
-    MODES,
+    ROUTES,
+    SERVE_ROUTES,
     GenerationConfig,
     SpecsplitError,
     SplitClient,
@@ -103,7 +104,7 @@ def _draft_dir(args) -> Path | None:
     export or the converted Hugging Face directory), else for a default draft the one its cached
     GGUF holds (``edge.gguf_tokenizer``); fetched and exported only where there is none.
     """
-    if args.mode == "cloud-only":
+    if args.route == "cloud-only":
         if args.prompt is None and not args.draft:
             return None
         if args.prompt is not None:
@@ -189,11 +190,11 @@ async def _generate(args) -> int:
     codec = _codec(args, draft_dir)
     prompt = ids if ids is not None else _text_prompt(args, codec)
     drafter = None
-    if args.mode != "cloud-only":
+    if args.route != "cloud-only":
         from specsplit.edge.onnx_drafter import OnnxDrafter
 
         drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
-    server = None if args.mode == "edge-only" else args.server
+    server = None if args.route == "edge-only" else args.server
     if server is not None:
         secure = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
         check_token_transport(server, args.token, secure, args.insecure)  # before any wait
@@ -212,7 +213,7 @@ async def _generate(args) -> int:
         insecure=args.insecure,
         link=link,
     ) as client:
-        gen = client.generate(prompt, config, mode=args.mode)
+        gen = client.generate(prompt, config, route=args.route)
         stream = codec.stream() if codec and not args.json else None
         async for chunk in gen:
             if args.json:
@@ -228,7 +229,7 @@ async def _generate(args) -> int:
         print(json.dumps(out))
     else:
         print(
-            f"\n[{s.mode}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), "
+            f"\n[{s.route}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), "
             f"acceptance {s.acceptance_rate:.2f}, {s.tokens_per_round:.2f} tokens/round, "
             f"finish {s.finish}",
             file=sys.stderr,
@@ -249,7 +250,7 @@ def _serve(args) -> int:
     from specsplit.edge.openai.serve import check_exposure, run_server
 
     check_exposure(args.host, args.api_key)  # before a draft is fetched or exported
-    if args.mode == "split":  # a provider this runtime lacks fails now, not at the first request
+    if args.route == "split":  # a provider this runtime lacks fails now, not at the first request
         from specsplit.edge.onnx_drafter import choose_provider
 
         choose_provider(args.provider)
@@ -259,7 +260,7 @@ def _serve(args) -> int:
         server=args.server,
         draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args)),
         model_name=args.served_model_name or args.target_name or "specsplit",
-        mode=args.mode,
+        route=args.route,
         concurrency=args.concurrency,
         generation=GenerationConfig(
             max_draft_tokens=args.max_draft_tokens,
@@ -394,11 +395,12 @@ def _add_serve_parser(sub) -> None:
     _add_connection_args(s)
     _add_draft_args(s)
     s.add_argument(
-        "--mode",
-        choices=("split", "cloud-only"),
+        "--route",
+        choices=SERVE_ROUTES,
         default="split",
         help="split: the draft here, the target verifies; cloud-only: the target alone",
     )
+    deprecated_alias(s, "--mode", "--route", choices=SERVE_ROUTES)
     s.add_argument(
         "--concurrency",
         type=int,
@@ -516,7 +518,7 @@ def _parser() -> argparse.ArgumentParser:
         "--session-mode",
         choices=SESSION_MODES,
         default=AUTO,
-        help="with --mode split, how its rounds run: lock-step rounds, "
+        help="with --route split, how its rounds run: lock-step rounds, "
         "cloud-led (the cloud never waits for drafts), or auto: lock-step until its "
         "measurements say cloud-led is faster",
     )
@@ -528,13 +530,14 @@ def _parser() -> argparse.ArgumentParser:
         "tokens without q); auto: greedy at temperature 0, else rejection",
     )
     g.add_argument(
-        "--mode",
-        choices=MODES,
+        "--route",
+        choices=ROUTES,
         default="split",
         help="which models generate: split: draft here, verify in the cloud (its rounds: "
         "--session-mode); cloud-only: the target alone (the baseline); edge-only: the draft "
         "alone, no cloud",
     )
+    deprecated_alias(g, "--mode", "--route", choices=ROUTES)
     g.add_argument(
         "--retry-window",
         type=float,

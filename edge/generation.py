@@ -92,7 +92,7 @@ class GenerationConfig:
 
 @dataclass
 class GenerationStats:
-    mode: str
+    route: str  # edge.client.ROUTES: split, cloud-only or edge-only
     new_tokens: int = 0
     rounds: int = 0  # Verdicts
     drafted: int = 0  # draft tokens the target verified (shared.spec_counts), stale ones never

@@ -49,7 +49,7 @@ def _sessions():
 
 async def _generate(address, drafter, prompt, mode, cfg):
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        gen = client.generate(prompt, GenerationConfig(**cfg), route=mode)
         await gen.collect()
         return gen
 

@@ -155,7 +155,7 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
     async def cloud_only(prompt):
         async with SplitClient(cloud.address, None) as client:
             cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=11)
-            gen = client.generate(prompt, cfg, mode="cloud-only")
+            gen = client.generate(prompt, cfg, route="cloud-only")
             await gen.collect()
             return gen.token_ids
 
@@ -234,7 +234,9 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
 
     async def cloud_only(prompt):
         async with SplitClient(cloud.address, None) as client:
-            gen = client.generate(prompt, GenerationConfig(max_new_tokens=N_NEW), mode="cloud-only")
+            gen = client.generate(
+                prompt, GenerationConfig(max_new_tokens=N_NEW), route="cloud-only"
+            )
             return await gen.collect()
 
     for prompt in PROMPTS:
@@ -271,7 +273,7 @@ def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
     async def cloud_only(prompt):
         async with SplitClient(cloud.address, None) as client:
             cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=5)
-            return await client.generate(prompt, cfg, mode="cloud-only").collect()
+            return await client.generate(prompt, cfg, route="cloud-only").collect()
 
     cfg = dict(sampling=sampling, verification=verification, seed=5, max_draft_tokens=4)
     for prompt in PROMPTS:

@@ -26,9 +26,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def generate(address, drafter, prompt, mode="split", **cfg):
+async def generate(address, drafter, prompt, route="split", **cfg):
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        gen = client.generate(prompt, GenerationConfig(**cfg), route=route)
         await gen.collect()
         return gen
 

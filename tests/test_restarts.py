@@ -75,10 +75,10 @@ async def _serving(address: str, within_s: float = 10.0) -> bool:
             await asyncio.sleep(0.2)
 
 
-async def _generate(address, drafter, cfg: GenerationConfig, mode="split", on_tokens=None):
+async def _generate(address, drafter, cfg: GenerationConfig, route="split", on_tokens=None):
     """The generation's tokens and stats; ``on_tokens(n)`` runs as tokens arrive."""
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(PROMPT, cfg, mode=mode)
+        gen = client.generate(PROMPT, cfg, route=route)
         async for _ in gen:
             if on_tokens is not None:
                 on_tokens(len(gen.token_ids))

@@ -71,8 +71,8 @@ def test_a_prompt_past_the_drafts_limit_is_refused_before_any_work():
             with pytest.raises(ValueError, match="prompt of 8 tokens: the draft runs at most 8"):
                 client.generate([1] * 8, cfg)
             with pytest.raises(ValueError, match="prompt of 9 tokens"):
-                client.generate([1] * 9, cfg, mode="edge-only")
-            client.generate([1] * 9, cfg, mode="cloud-only")  # lazy: nothing sent yet
+                client.generate([1] * 9, cfg, route="edge-only")
+            client.generate([1] * 9, cfg, route="cloud-only")  # lazy: nothing sent yet
             client.generate([1] * 7, cfg)
 
     asyncio.run(run())

@@ -43,7 +43,7 @@ def test_drafting_pauses_once_the_cloud_dropped_every_draft_as_stale():
     from specsplit.edge.cloud_led import PAUSE_STALE, PAUSE_VERDICTS, _pause
     from specsplit.edge.generation import GenerationStats
 
-    stats = GenerationStats(mode="split")
+    stats = GenerationStats(route="split")
     assert _pause(stats, 0, PAUSE_STALE - 1) == 0
     assert _pause(stats, 0, PAUSE_STALE) == PAUSE_VERDICTS
     assert _pause(stats, 5, PAUSE_STALE) == 4  # paused: counts down

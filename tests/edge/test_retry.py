@@ -134,7 +134,7 @@ async def _run_against(servicer, mode: str) -> tuple[list[int], object]:
     await server.start()
     try:
         async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
-            gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), mode=mode)
+            gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), route=mode)
             return await gen.collect(), gen.stats
     finally:
         await server.stop(None)
@@ -177,7 +177,7 @@ def test_unavailable_is_retried_until_the_window_ends():
         try:
             async with SplitClient(f"127.0.0.1:{port}", SlowDrafter(0.0)) as client:
                 cfg = GenerationConfig(max_new_tokens=4, retry_window_s=1.0)
-                gen = client.generate([1, 2, 3], cfg, mode="cloud-only")
+                gen = client.generate([1, 2, 3], cfg, route="cloud-only")
                 with pytest.raises(SpecsplitError) as err:
                     await gen.collect()
                 return err.value, gen.stats

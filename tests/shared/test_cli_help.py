@@ -144,6 +144,13 @@ assert rc == 1, rc
             "max_draft_tokens",
             3,
         ),
+        (
+            "specsplit-edge",
+            ["generate", "--mode", "cloud-only", "--prompt", "p"],
+            "route",
+            "cloud-only",
+        ),
+        ("specsplit-edge", ["serve", "--mode", "cloud-only"], "route", "cloud-only"),
         ("specsplit-cloud", ["serve", "--model-name", "t"], "target_name", "t"),
         ("specsplit-cloud", ["serve", "--sessions-per-token", "3"], "sessions_per_client", 3),
     ],

@@ -101,7 +101,7 @@ def test_serve_with_default_flags_answers_from_a_hidden_size_of_88(tmp_path):
 
 async def _cloud_only(address: str, prompt: list[int], n_new: int) -> list[int]:
     async with SplitClient(address, None) as client:
-        gen = client.generate(prompt, GenerationConfig(max_new_tokens=n_new), mode="cloud-only")
+        gen = client.generate(prompt, GenerationConfig(max_new_tokens=n_new), route="cloud-only")
         await gen.collect()
         return gen.token_ids
 

@@ -148,7 +148,7 @@ def test_chat_greedy_equals_the_targets_greedy(serve, tiny, codec):
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), N)
     spec = r.model_extra["specsplit"]
-    assert spec["mode"] == "split" and spec["new_tokens"] == N
+    assert spec["route"] == "split" and spec["new_tokens"] == N
     assert spec["target_forward_passes"] == spec["rounds"] > 0
     assert 0 <= spec["acceptance_rate"] < 0.5  # an unrelated draft: the cloud corrects it
     assert spec["tokens_per_round"] == pytest.approx(N / spec["rounds"])
