@@ -13,7 +13,7 @@ import numpy as np
 
 from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
 from specsplit.cloud.gateway.session import ModelLimits
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 
 VOCAB = 256
 MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512))
@@ -45,8 +45,8 @@ class FakeTriton:
     async def reopen(self, prompt, sampling, verification, seed: int) -> None:
         self.seeds.append(seed)
 
-    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
-        return VerifyReply(accepted=0, token=7, verify_ms=1.0, roundtrip_ms=1.0)
+    async def step(self, base_len: int, tokens: Sequence[int], q=None) -> StepReply:
+        return StepReply(accepted=0, token=7, verify_ms=1.0, roundtrip_ms=1.0)
 
     async def close(self) -> None:
         pass

@@ -42,7 +42,7 @@ async def cloud_only_rounds(step: Round, messages) -> AsyncIterator[pb.Verdict]:
             if stop.is_set():
                 session.finish = Finish.CANCELLED
                 break
-            yield await step.verify([], None, time.perf_counter())
+            yield await step.verdict([], None, time.perf_counter())
         if refused:
             raise refused[0]
     finally:

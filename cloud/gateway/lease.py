@@ -24,10 +24,10 @@ from specsplit.cloud.gateway.replicas import Replica, ReplicaSet
 from specsplit.cloud.gateway.triton_client import (
     MODEL_NAME,
     SessionLost,
+    StepReply,
     TritonRequestError,
     TritonSequence,
     TritonUnavailable,
-    VerifyReply,
 )
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Lease:
             self.replicas.failed(self.replica)
             await self._recover(prompt, self._failover_deadline(), move=True)
 
-    async def verify(self, committed: Sequence[int], tokens, q=None) -> VerifyReply:
+    async def step(self, committed: Sequence[int], tokens, q=None) -> StepReply:
         """Verifies ``tokens`` (the last committed token, then the drafts) after ``committed``;
         re-opens once when Triton lost the session, and as often as the failover window allows
         when the replica failed. A session lost again right after its re-open raises."""
@@ -82,7 +82,7 @@ class Lease:
         lost = False
         while True:
             try:
-                return await self._call(self.triton.verify(len(committed), tokens, q))
+                return await self._call(self.triton.step(len(committed), tokens, q))
             except SessionLost:
                 if lost:
                     raise

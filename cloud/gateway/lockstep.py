@@ -81,7 +81,7 @@ async def lockstep_rounds(
             async for verdict in cloud_led_rounds(step, messages, lead):
                 yield verdict
             return
-        verdict = await step.verify(list(draft.tokens), q, t0)
+        verdict = await step.verdict(list(draft.tokens), q, t0)
         verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)
         yield verdict
         if session.finish is not Finish.NONE:

@@ -78,7 +78,7 @@ class Round:
             qs.append(q)
         return qs
 
-    async def verify(
+    async def verdict(
         self, drafts: Sequence[int], q: list[SparseDist] | None, t0: float
     ) -> pb.Verdict:
         """One target step verifying ``drafts`` (none: the target's own next token) after the
@@ -88,7 +88,7 @@ class Round:
         # A lost session or a failed replica re-opens from the committed prefix in there.
         with self.working():
             await self.reserve(session.committed_len)
-            reply = await self.lease.verify(session.committed, tokens, q or None)
+            reply = await self.lease.step(session.committed, tokens, q or None)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
         self.steps.observe(len(tokens), reply.batch_rows, reply.verify_ms)
         return pb.Verdict(

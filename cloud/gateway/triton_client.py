@@ -53,7 +53,7 @@ class TargetFull(TritonRequestError):
 
 
 @dataclass(frozen=True)
-class VerifyReply:
+class StepReply:
     accepted: int
     token: int
     verify_ms: float  # the model's forward pass + acceptance
@@ -183,9 +183,9 @@ class TritonSequence:
         self.kv_capacity = _optional(result, "KV_CAPACITY")
         self.kv_held = _optional(result, "KV_HELD")
 
-    async def verify(
+    async def step(
         self, base_len: int, tokens: Sequence[int], q: Sequence[SparseDist] | None = None
-    ) -> VerifyReply:
+    ) -> StepReply:
         """tokens: the last committed token, then d_1..d_k."""
         inputs = [
             _tensor("TOKENS", np.asarray([tokens], dtype=np.int64), "INT64"),
@@ -195,7 +195,7 @@ class TritonSequence:
             inputs += _q_tensors(q)
         t0 = time.perf_counter()
         result = await self._call(inputs)
-        return VerifyReply(
+        return StepReply(
             accepted=_int(result, "ACCEPTED"),
             token=_int(result, "TOKEN"),
             verify_ms=float(result.as_numpy("VERIFY_MS").reshape(-1)[0]),

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specsplit.cloud.gateway.stream_policy import StreamPolicy
-from specsplit.cloud.gateway.triton_client import SessionLost, VerifyReply
+from specsplit.cloud.gateway.triton_client import SessionLost, StepReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import FakeTriton, gateway
 
@@ -17,7 +17,7 @@ from tests.fakes import FakeTriton, gateway
 class AlwaysLost(FakeTriton):
     """Loses the session on every verify, the re-opened one too."""
 
-    async def verify(self, base_len, tokens, q=None) -> VerifyReply:
+    async def step(self, base_len, tokens, q=None) -> StepReply:
         raise SessionLost("SESSION_NOT_FOUND: gone")
 
 
@@ -97,9 +97,9 @@ def test_undecodable_payload_is_invalid_argument(payloads):
 
 
 class SlowTriton(FakeTriton):
-    async def verify(self, base_len, tokens, q=None) -> VerifyReply:
+    async def step(self, base_len, tokens, q=None) -> StepReply:
         await asyncio.sleep(0.05)
-        return await super().verify(base_len, tokens, q)
+        return await super().step(base_len, tokens, q)
 
 
 async def silent_stream(messages: list[pb.ClientMessage], factory=FakeTriton, **policy_kw):

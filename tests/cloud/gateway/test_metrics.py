@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specsplit.cloud.gateway.metrics import GatewayMetrics
 from specsplit.cloud.gateway.service import start_gateway
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.edge.generation import GenerationStats
 from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
 from specsplit.shared.session_mode import SessionMode
@@ -26,9 +26,9 @@ from tests.fakes import MODEL, NOWHERE, FakeTriton
 class AcceptsTwo(FakeTriton):
     """Keeps the first two drafts of every block, then answers token 9."""
 
-    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
+    async def step(self, base_len: int, tokens: Sequence[int], q=None) -> StepReply:
         kept = min(2, len(tokens) - 1)
-        return VerifyReply(
+        return StepReply(
             accepted=kept, token=9, verify_ms=2.0, roundtrip_ms=3.0, batch_rows=4, batch_sessions=1
         )
 

@@ -79,7 +79,7 @@ def test_the_targets_refusal_reaches_the_edge_with_a_retry_hint():
         async def start(self, prompt, sampling, verification, seed: int, speculative: bool = True):
             leases.append(self.lease_s)
 
-        async def verify(self, base_len, tokens, q=None):
+        async def step(self, base_len, tokens, q=None):
             raise TargetFull("KV_CAPACITY_EXCEEDED: session 1: its next step needs 1.0 MiB")
 
     async def run():
@@ -105,11 +105,11 @@ def test_the_edge_retries_the_targets_refusal_and_loses_no_token():
     refusals = []
 
     class FullOnce(FakeTriton):
-        async def verify(self, base_len, tokens, q=None):
+        async def step(self, base_len, tokens, q=None):
             if base_len == 10 and not refusals:
                 refusals.append(base_len)
                 raise TargetFull("KV_CAPACITY_EXCEEDED: session 1: its next step needs 1 MiB")
-            return await super().verify(base_len, tokens, q)
+            return await super().step(base_len, tokens, q)
 
     async def run():
         async with gateway(FullOnce) as address, SplitClient(address) as client:

@@ -36,7 +36,7 @@ def test_a_session_stream_survives_a_quiet_spell(cloud):
                 [1, 2, 3], SamplingConfig(temperature=0.0), VerificationRule.TOKEN_ONLY, 0
             )
             await asyncio.sleep(quiet_s)
-            reply = await session.verify(3, [3])
+            reply = await session.step(3, [3])
             return reply.accepted, reply.token
         finally:
             await session.close()

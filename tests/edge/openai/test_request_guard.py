@@ -96,11 +96,11 @@ def held_gateway(model=MODEL) -> Iterator[tuple[int, threading.Event, list]]:
     port: list[int] = []
 
     class Held(FakeTriton):
-        async def verify(self, *args, **kw):
+        async def step(self, *args, **kw):
             begun.append(1)
             while not release.is_set():
                 await asyncio.sleep(0.01)
-            return await super().verify(*args, **kw)
+            return await super().step(*args, **kw)
 
     async def serve() -> None:
         server, bound, service = await start_gateway(NOWHERE, model, sequence_factory=Held)
