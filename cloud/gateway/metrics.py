@@ -121,7 +121,7 @@ class GatewayMetrics:
         )
         spec = f"{p}_spec_decode"
         self.drafts = Counter(f"{spec}_num_drafts", "drafts verified (k > 0)", registry=reg)
-        self.draft_tokens = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
+        self.drafted = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
         self.accepted = Counter(f"{spec}_num_accepted_tokens", "drafts accepted", registry=reg)
         self.emitted = Counter(
             f"{spec}_num_emitted_tokens", "accepted + bonus tokens of drafts", registry=reg
@@ -255,7 +255,7 @@ class GatewayMetrics:
         self.generation_tokens.inc(step.emitted)
         if step.is_draft:
             self.drafts.inc()
-            self.draft_tokens.inc(step.drafted)
+            self.drafted.inc(step.drafted)
             self.accepted.inc(step.accepted)
             self.emitted.inc(step.emitted)
             self.acceptance_length.observe(step.emitted)

@@ -71,7 +71,7 @@ def disagreements(d: dict, stats: GenerationStats, label: str) -> dict[str, tupl
     """{figure: (gateway's counter delta, the client's stats)} wherever the two differ."""
     summary = stats.summary()
     pairs = {
-        "draft_tokens": (value(d, f"{SPEC}_num_draft_tokens_total"), stats.drafted),
+        "drafted": (value(d, f"{SPEC}_num_draft_tokens_total"), stats.drafted),
         "accepted": (value(d, f"{SPEC}_num_accepted_tokens_total"), stats.accepted),
         "drafts": (value(d, f"{SPEC}_num_drafts_total"), summary["num_drafts"]),
         "emitted": (value(d, f"{SPEC}_num_emitted_tokens_total"), summary["num_emitted_tokens"]),
