@@ -64,7 +64,7 @@ def _status(gen) -> str:
 
 
 async def stream_split(client, prompt, cfg, codec):
-    gen = client.generate(prompt, cfg, mode="split")
+    gen = client.generate(prompt, cfg, route="split")
     decoder = codec.stream()
     text = Text()
     with Live(console=console, refresh_per_second=8, vertical_overflow="visible") as live:
@@ -77,7 +77,7 @@ async def stream_split(client, prompt, cfg, codec):
 
 async def run_quiet(client, prompt, cfg, mode):
     with console.status(f"running {mode} on the same prompt ..."):
-        gen = client.generate(prompt, cfg, mode=mode)
+        gen = client.generate(prompt, cfg, route=mode)
         await gen.collect()
     return gen
 
@@ -122,7 +122,7 @@ async def demo(args, address: str, draft_dir: Path, edge_threads: int) -> None:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature),
         seed=args.seed,
-        draft_tokens=args.k,
+        max_draft_tokens=args.k,
     )
     drafter = OnnxDrafter(draft_dir, threads=edge_threads)
     console.rule(f"[bold]split: {args.prompt}")

@@ -42,12 +42,12 @@ def chat_prompts(codec, per_class: int) -> list[tuple[str, list[int]]]:
 def target_continuations(prompts, tokens: int) -> list[list[int]]:
     """The served target's greedy continuation of each prompt (``tokens`` ids)."""
     from specsplit.cloud.engine.target import SessionParams, TargetModel
-    from specsplit.shared.acceptance import VerificationMode
+    from specsplit.shared.acceptance import VerificationRule
     from specsplit.shared.sampling import SamplingConfig
     from specsplit.shared.weights.sources import resolve_model
 
     target = TargetModel(resolve_model(TARGET), device="cpu", threads=1, calibrate=False)
-    params = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+    params = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
     out = []
     for sid, (_, prompt) in enumerate(prompts):
         target.start(sid, prompt, params)

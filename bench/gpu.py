@@ -66,10 +66,10 @@ def prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[lis
 
 def _params(speculative: bool):
     from specsplit.cloud.engine.target import SessionParams
-    from specsplit.shared.acceptance import VerificationMode
+    from specsplit.shared.acceptance import VerificationRule
     from specsplit.shared.sampling import SamplingConfig
 
-    return SessionParams(SamplingConfig(), VerificationMode.GREEDY, speculative=speculative)
+    return SessionParams(SamplingConfig(), VerificationRule.GREEDY, speculative=speculative)
 
 
 def serve(target, batch: list[list[int]], new: int, drafts=None, wrong_every: int = 0):

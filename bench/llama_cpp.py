@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from specsplit.cloud.supervision.triton import pinned, stop_process_group
-from specsplit.shared.steps import cache_dir, locked
+from specsplit.shared.build_steps import cache_dir, locked
 
 logger = logging.getLogger(__name__)
 

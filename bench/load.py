@@ -67,7 +67,7 @@ def gen_config(temperature: float, seed: int, max_new: int) -> GenerationConfig:
         max_new_tokens=max_new,
         sampling=SamplingConfig(temperature=temperature),
         seed=seed,
-        draft_tokens=K,
+        max_draft_tokens=K,
         # lock-step with a fixed k: the replayed blocks are recorded per round of k
         adaptive=False,
         session_mode="lock-step",
@@ -76,7 +76,7 @@ def gen_config(temperature: float, seed: int, max_new: int) -> GenerationConfig:
 
 async def one(address, drafter, ids, cfg, mode, started: list) -> None:
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(ids, cfg, mode=mode)
+        gen = client.generate(ids, cfg, route=mode)
         started.append((time.perf_counter(), gen))
         await gen.collect()
 
@@ -132,7 +132,7 @@ def record(mode, temperature, n, t0, start, gen) -> dict:
         **{k: getattr(s, k) for k in ("rounds", "drafted", "accepted", "new_tokens")},
         "batch_sessions": s.batch_sessions,
         "batch_rows": s.batch_rows,
-        "block_hint": s.block_hint,
+        "block_hint": s.max_draft_tokens_hint,
     }
 
 

@@ -35,7 +35,10 @@ async def _collect(address: str, draft_dir: Path, runs: int) -> dict[str, np.nda
     cols = {"round": [], "verify": [], "server": [], "triton": []}
     # lock-step rounds of a fixed k: the overhead is a round's time beyond its verification
     cfg = GenerationConfig(
-        max_new_tokens=5 * ROUNDS_PER_RUN, draft_tokens=4, adaptive=False, session_mode="lock-step"
+        max_new_tokens=5 * ROUNDS_PER_RUN,
+        max_draft_tokens=4,
+        adaptive=False,
+        session_mode="lock-step",
     )
     async with SplitClient(address, drafter) as client:
         await client.generate([1, 2, 3], GenerationConfig(max_new_tokens=20)).collect()  # warm-up

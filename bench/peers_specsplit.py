@@ -45,11 +45,11 @@ async def warm_generations(address: str, drafter, row: Row, setup: Setup) -> lis
     out, prompts = [], setup.prompts
     async with SplitClient(address, drafter) as client:
         cfg = GenerationConfig(max_new_tokens=WARMUP_TOKENS)
-        await client.generate(prompts[0]["ids"], cfg, mode=row.variant).collect()
+        await client.generate(prompts[0]["ids"], cfg, route=row.variant).collect()
         cfg = GenerationConfig(max_new_tokens=setup.plan.max_new_tokens)
         for p in prompts:
             t0 = time.perf_counter()
-            gen = client.generate(p["ids"], cfg, mode=row.variant)
+            gen = client.generate(p["ids"], cfg, route=row.variant)
             await gen.collect()
             wall = time.perf_counter() - t0
             s = gen.stats
@@ -61,7 +61,7 @@ def cli_command(address: str, row: Row, prompt_ids: list[int] | None, n: int) ->
     """``specsplit-edge generate`` as a user runs it; ``prompt_ids`` None shows a placeholder."""
     exe = Path(sys.executable).with_name("specsplit-edge")
     ids = "<prompt ids>" if prompt_ids is None else ",".join(map(str, prompt_ids))
-    cmd = [str(exe), "generate", "--server", address, "--mode", row.variant]
+    cmd = [str(exe), "generate", "--server", address, "--route", row.variant]
     return cmd + ["--prompt-ids", ids, "--max-new-tokens", str(n), "--json"]
 
 

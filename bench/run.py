@@ -187,7 +187,7 @@ async def generate(
         max_new_tokens=max_new,
         sampling=SamplingConfig(temperature=cfg.temperature),
         seed=seed,
-        draft_tokens=max(cfg.k, 1),
+        max_draft_tokens=max(cfg.k, 1),
         adaptive=cfg.mode != "lock-step",
         # auto(-warm) and cloud-led: as with no seed (adaptive); the seed keeps runs comparable
         session_mode=SESSION_MODE.get(cfg.mode, "lock-step"),
@@ -195,7 +195,7 @@ async def generate(
     mode = "split" if split else cfg.mode
     address = None if cfg.mode == "edge-only" else address
     async with SplitClient(address, drafter, link=link) as client:
-        gen = client.generate(prompt_ids, gen_cfg, mode=mode)
+        gen = client.generate(prompt_ids, gen_cfg, route=mode)
         await gen.collect()
     return gen, client.link
 
@@ -203,7 +203,7 @@ async def generate(
 def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
     s = gen.stats
     return {
-        **s.summary(),  # first: its "mode" is the client's ("split"), the bench's comes next
+        **s.summary(),  # the client's route ("split"), then the bench's config and mode
         **asdict(cfg),
         "key": cfg.key,
         "prompt_id": prompt["id"],
@@ -217,7 +217,7 @@ def record(cfg: Config, prompt: dict, sample: int, gen) -> dict:
         "queue_ms": s.queue_ms,
         "token_times_s": s.token_times_s,
         "k_chosen": s.k_chosen,
-        "block_hint": s.block_hint,
+        "block_hint": s.max_draft_tokens_hint,
     }
 
 

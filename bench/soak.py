@@ -70,7 +70,7 @@ async def generate_once(client, rng, prompts, references, kind: Kind, tally: Tal
     cfg = GenerationConfig(
         max_new_tokens=MAX_NEW, sampling=SamplingConfig(temperature=kind.temperature)
     )
-    task = asyncio.ensure_future(client.generate(prompts[i], cfg, mode=kind.mode).collect())
+    task = asyncio.ensure_future(client.generate(prompts[i], cfg, route=kind.mode).collect())
     if kind.cancel:
         await asyncio.wait([task], timeout=rng.uniform(0.0, 0.3))
         task.cancel()

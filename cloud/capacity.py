@@ -131,30 +131,30 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def block_hint(
+def max_draft_tokens_hint(
     cost: CostModel,
     spec_sessions: int,
     other_rows: int,
     other_tokens: float,
     alpha: float,
-    k_max: int,
+    max_draft_tokens: int,
     tolerance: float = 0.05,
 ) -> int:
-    """The largest k in [0, k_max] whose batch throughput (tokens per ms) is within
+    """The largest k in [0, max_draft_tokens] whose batch throughput (tokens per ms) is within
     ``tolerance`` of the best k's: while passes cost about the same whatever their rows, that is
-    k_max, and measurement noise never shortens drafts. Now and then k_max instead, when the
-    pass that would take is stale in ``cost`` (CostModel.probe)."""
+    max_draft_tokens, and measurement noise never shortens drafts. Now and then max_draft_tokens
+    instead, when the pass that would take is stale in ``cost`` (CostModel.probe)."""
     if spec_sessions < 1 or not cost.ms:
-        return k_max
+        return max_draft_tokens
     rates = []
-    for k in range(k_max + 1):
+    for k in range(max_draft_tokens + 1):
         tokens = other_tokens + spec_sessions * expected_tokens(alpha, k)
         ms = cost.cost(other_rows + spec_sessions * (k + 1))
         rates.append(tokens / ms if ms > 0 else math.inf)
     best = max(rates)
     hint = max(k for k, rate in enumerate(rates) if rate >= (1 - tolerance) * best)
-    if hint < k_max and cost.probe(other_rows + spec_sessions * (k_max + 1)):
-        return k_max  # one pass re-measures what the curve forbids
+    if hint < max_draft_tokens and cost.probe(other_rows + spec_sessions * (max_draft_tokens + 1)):
+        return max_draft_tokens  # one pass re-measures what the curve forbids
     return hint
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 # Only what parsing needs is imported here, so `specsplit-cloud --help` works on an install
 # without the cloud extra; serve() imports the gateway (tritonclient, prometheus_client).
 from specsplit.cloud.gateway.admission import RECLAIM_AFTER_S, Admission
-from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.security import Security, load_tokens
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
+from specsplit.shared.build_steps import install_hint
 from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
-from specsplit.shared.steps import install_hint
 from specsplit.shared.weights.sources import (
     SOURCES,
     TARGET_DEFAULT,
@@ -173,8 +173,8 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _limits(args: argparse.Namespace) -> GatewayLimits:
-    return GatewayLimits(
+def _stream_policy(args: argparse.Namespace) -> StreamPolicy:
+    return StreamPolicy(
         start_timeout_s=args.start_deadline,
         idle_timeout_s=args.idle_timeout,
         max_message_bytes=args.max_message_bytes,
@@ -298,7 +298,7 @@ async def serve(args: argparse.Namespace) -> int:
     from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
     from specsplit.cloud.supervision.supervisor import TritonSupervisor
 
-    security, limits = _security(args), _limits(args)  # bad flags fail before Triton starts
+    security, policy = _security(args), _stream_policy(args)  # bad flags fail before Triton starts
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
     if args.failover_wait <= 0:
@@ -356,7 +356,7 @@ async def serve(args: argparse.Namespace) -> int:
             identity,
             args.host,
             args.port,
-            limits=limits,
+            policy=policy,
             security=security,
             failover_wait_s=args.failover_wait,
             admission=admission,

@@ -4,7 +4,7 @@ allocates them (``cloud.engine.kv_slots``, inside Triton) and the gateway that b
 torch.
 
 A slot starts at ``MIN_SLOT`` positions and doubles until what it must hold fits. The largest
-block a session verifies at once is ``MAX_BLOCK`` drafts (Limits.max_draft_tokens).
+block a session verifies at once is ``MAX_DRAFT_TOKENS`` drafts (Limits.max_draft_tokens).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIN_SLOT = 64  # a fresh slot's positions
-MAX_BLOCK = 16  # draft tokens one verification may carry, and the largest hint
+MAX_DRAFT_TOKENS = 16  # draft tokens one verification may carry, and the largest hint
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

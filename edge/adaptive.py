@@ -30,12 +30,14 @@ def ema(old: float | None, new: float) -> float:
 
 
 class DraftLength:
-    """Chooses k in [0, k_max] from what past rounds measured; ``observe`` after every verdict."""
+    """Chooses k in [0, max_draft_tokens] from what past rounds measured; ``observe`` after every
+    verdict."""
 
-    def __init__(self, k_max: int):
-        self.k_max = k_max
-        self.tried = np.zeros(k_max + 1)  # [k_max + 1]: rounds that verified draft position i
-        self.kept = np.zeros(k_max + 1)  # [k_max + 1]: ... and accepted it
+    def __init__(self, max_draft_tokens: int):
+        self.max_draft_tokens = max_draft_tokens
+        # [max_draft_tokens + 1]: rounds that verified draft position i
+        self.tried = np.zeros(max_draft_tokens + 1)
+        self.kept = np.zeros(max_draft_tokens + 1)  # [max_draft_tokens + 1]: ... and accepted it
         self.draft_ms: float | None = None  # per drafted token, on the critical path
         self.fixed_ms: float | None = None  # round trip + server overheads, per round
         self.verify_ms: dict[int, float] = {}  # target pass by rows (k + 1)
@@ -60,13 +62,13 @@ class DraftLength:
             self.draft_ms = ema(self.draft_ms, draft_ms / k)
 
     def alphas(self) -> np.ndarray:
-        """[k_max] acceptance per position, each shrunk towards the overall rate."""
+        """[max_draft_tokens] acceptance per position, each shrunk towards the overall rate."""
         overall = (self.kept.sum() + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.tried.sum() + PRIOR_WEIGHT)
         alpha = (self.kept + overall * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
-        return alpha[: self.k_max]
+        return alpha[: self.max_draft_tokens]
 
     def expected_tokens(self) -> np.ndarray:
-        """[k_max + 1] E(k) for k = 0..k_max."""
+        """[max_draft_tokens + 1] E(k) for k = 0..max_draft_tokens."""
         return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(self.alphas()))))
 
     def verify_cost(self, rows: int) -> float:
@@ -85,8 +87,9 @@ class DraftLength:
         return k * (self.draft_ms or 0.0) + (self.fixed_ms or 0.0) + self.verify_cost(k + 1)
 
     def choose(self, cap: int) -> int:
-        """The best k <= min(k_max, cap); k_max (capped) until timings were measured."""
-        cap = max(0, min(self.k_max, cap))
+        """The best k <= min(max_draft_tokens, cap); max_draft_tokens (capped) until timings were
+        measured."""
+        cap = max(0, min(self.max_draft_tokens, cap))
         if self.draft_ms is None or not self.verify_ms:
             return cap
         gain = self.expected_tokens()[: cap + 1]

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 
 # Pings keep NAT and load-balancer state alive across a long generation and find a dead link in
-# seconds; the gateway accepts pings this often (cloud.gateway.limits).
+# seconds; the gateway accepts pings this often (cloud.gateway.stream_policy).
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 
 from specsplit.edge.client import (
-    MODES,
+    ROUTES,
+    SERVE_ROUTES,
     GenerationConfig,
     SpecsplitError,
     SplitClient,
@@ -28,10 +29,10 @@ from specsplit.edge.models import (
     PRECISIONS,
     cached_tokenizer_dir,
 )
-from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING
+from specsplit.edge.openai.request_guard import MAX_BODY_BYTES, MAX_WAITING
 from specsplit.edge.retry import DEFAULT_WINDOW_S
 from specsplit.edge.session_plan import AUTO, SESSION_MODES
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.cli_help import (
     HelpFormatter,
     add_version,
@@ -45,11 +46,11 @@ from specsplit.shared.weights.wheels import SourceError
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 VERIFICATION = {
     "auto": None,
-    "rejection": VerificationMode.REJECTION,
-    "token-only": VerificationMode.TOKEN_ONLY,
+    "rejection": VerificationRule.REJECTION,
+    "token-only": VerificationRule.TOKEN_ONLY,
 }
 # One default k for generate, serve and the Python API: GenerationConfig's.
-DRAFT_TOKENS = GenerationConfig.draft_tokens
+DEFAULT_MAX_DRAFT_TOKENS = GenerationConfig.max_draft_tokens
 # --precision's values are named as the cloud's --dtype names float formats (float32, float16);
 # the export's own tags (edge.models.PRECISIONS: fp32, fp16, int4-fp16) name its cache entries.
 # The tags were the flag's values before: accepted, with a warning, for one release.
@@ -87,7 +88,7 @@ def _config(args) -> GenerationConfig:
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=args.seed,
-        draft_tokens=args.draft_tokens,
+        max_draft_tokens=args.max_draft_tokens,
         adaptive=False if args.fixed_k else None,
         session_mode=args.session_mode,
         verification=VERIFICATION[args.verification],
@@ -103,7 +104,7 @@ def _draft_dir(args) -> Path | None:
     export or the converted Hugging Face directory), else for a default draft the one its cached
     GGUF holds (``edge.gguf_tokenizer``); fetched and exported only where there is none.
     """
-    if args.mode == "cloud-only":
+    if args.route == "cloud-only":
         if args.prompt is None and not args.draft:
             return None
         if args.prompt is not None:
@@ -189,11 +190,11 @@ async def _generate(args) -> int:
     codec = _codec(args, draft_dir)
     prompt = ids if ids is not None else _text_prompt(args, codec)
     drafter = None
-    if args.mode != "cloud-only":
+    if args.route != "cloud-only":
         from specsplit.edge.onnx_drafter import OnnxDrafter
 
         drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
-    server = None if args.mode == "edge-only" else args.server
+    server = None if args.route == "edge-only" else args.server
     if server is not None:
         secure = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
         check_token_transport(server, args.token, secure, args.insecure)  # before any wait
@@ -212,7 +213,7 @@ async def _generate(args) -> int:
         insecure=args.insecure,
         link=link,
     ) as client:
-        gen = client.generate(prompt, config, mode=args.mode)
+        gen = client.generate(prompt, config, route=args.route)
         stream = codec.stream() if codec and not args.json else None
         async for chunk in gen:
             if args.json:
@@ -228,7 +229,7 @@ async def _generate(args) -> int:
         print(json.dumps(out))
     else:
         print(
-            f"\n[{s.mode}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), "
+            f"\n[{s.route}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s), "
             f"acceptance {s.acceptance_rate:.2f}, {s.tokens_per_round:.2f} tokens/round, "
             f"finish {s.finish}",
             file=sys.stderr,
@@ -237,9 +238,9 @@ async def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    if args.concurrency < 1 or args.draft_tokens < 0 or args.retry_window < 0:
+    if args.concurrency < 1 or args.max_draft_tokens < 0 or args.retry_window < 0:
         raise SystemExit(
-            "specsplit-edge: --concurrency must be >= 1, --draft-tokens and --retry-window >= 0"
+            "specsplit-edge: --concurrency must be >= 1, --max-draft-tokens and --retry-window >= 0"
         )
     if args.max_waiting < 0 or args.max_body_bytes < 1 or not args.send_timeout > 0:
         raise SystemExit(
@@ -249,7 +250,7 @@ def _serve(args) -> int:
     from specsplit.edge.openai.serve import check_exposure, run_server
 
     check_exposure(args.host, args.api_key)  # before a draft is fetched or exported
-    if args.mode == "split":  # a provider this runtime lacks fails now, not at the first request
+    if args.route == "split":  # a provider this runtime lacks fails now, not at the first request
         from specsplit.edge.onnx_drafter import choose_provider
 
         choose_provider(args.provider)
@@ -259,10 +260,10 @@ def _serve(args) -> int:
         server=args.server,
         draft_dir=ensure_draft_onnx(args.draft or DEFAULT_DRAFT, _tag(args)),
         model_name=args.served_model_name or args.target_name or "specsplit",
-        mode=args.mode,
+        route=args.route,
         concurrency=args.concurrency,
         generation=GenerationConfig(
-            draft_tokens=args.draft_tokens,
+            max_draft_tokens=args.max_draft_tokens,
             model=args.target_name,
             retry_window_s=args.retry_window,
         ),
@@ -396,11 +397,12 @@ def _add_serve_parser(sub) -> None:
     _add_connection_args(s)
     _add_draft_args(s)
     s.add_argument(
-        "--mode",
-        choices=("split", "cloud-only"),
+        "--route",
+        choices=SERVE_ROUTES,
         default="split",
         help="split: the draft here, the target verifies; cloud-only: the target alone",
     )
+    deprecated_alias(s, "--mode", "--route", choices=SERVE_ROUTES)
     s.add_argument(
         "--concurrency",
         type=int,
@@ -429,12 +431,13 @@ def _add_serve_parser(sub) -> None:
         "and its slot freed (default 60)",
     )
     s.add_argument(
-        "--draft-tokens",
+        "--max-draft-tokens",
         type=int,
-        default=DRAFT_TOKENS,
+        default=DEFAULT_MAX_DRAFT_TOKENS,
         help="the largest k (tokens drafted per round); k adapts per round "
-        f"(default {DRAFT_TOKENS})",
+        f"(default {DEFAULT_MAX_DRAFT_TOKENS})",
     )
+    deprecated_alias(s, "--draft-tokens", "--max-draft-tokens", type=int)
     s.add_argument(
         "--target-name",
         default="",
@@ -507,18 +510,21 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
     )
     g.add_argument(
-        "--draft-tokens",
+        "--max-draft-tokens",
         type=int,
-        default=DRAFT_TOKENS,
+        default=DEFAULT_MAX_DRAFT_TOKENS,
         help="the largest k (tokens drafted per round); k adapts per round unless --fixed-k "
-        f"(default {DRAFT_TOKENS})",
+        f"(default {DEFAULT_MAX_DRAFT_TOKENS})",
     )
-    g.add_argument("--fixed-k", action="store_true", help="draft exactly --draft-tokens per round")
+    deprecated_alias(g, "--draft-tokens", "--max-draft-tokens", type=int)
+    g.add_argument(
+        "--fixed-k", action="store_true", help="draft exactly --max-draft-tokens per round"
+    )
     g.add_argument(
         "--session-mode",
         choices=SESSION_MODES,
         default=AUTO,
-        help="with --mode split, how its rounds run: lock-step rounds, "
+        help="with --route split, how its rounds run: lock-step rounds, "
         "cloud-led (the cloud never waits for drafts), or auto: lock-step until its "
         "measurements say cloud-led is faster",
     )
@@ -530,13 +536,14 @@ def _parser() -> argparse.ArgumentParser:
         "tokens without q); auto: greedy at temperature 0, else rejection",
     )
     g.add_argument(
-        "--mode",
-        choices=MODES,
+        "--route",
+        choices=ROUTES,
         default="split",
         help="which models generate: split: draft here, verify in the cloud (its rounds: "
         "--session-mode); cloud-only: the target alone (the baseline); edge-only: the draft "
         "alone, no cloud",
     )
+    deprecated_alias(g, "--mode", "--route", choices=ROUTES)
     g.add_argument(
         "--retry-window",
         type=float,
@@ -608,8 +615,10 @@ def main(argv: list[str] | None = None) -> int:
             return _info(args)
         if args.command == "serve":
             return _serve(args)
-        if args.max_new_tokens < 1 or args.draft_tokens < 0:
-            raise SystemExit("specsplit-edge: --max-new-tokens must be >= 1, --draft-tokens >= 0")
+        if args.max_new_tokens < 1 or args.max_draft_tokens < 0:
+            raise SystemExit(
+                "specsplit-edge: --max-new-tokens must be >= 1, --max-draft-tokens >= 0"
+            )
         return asyncio.run(_generate(args))
     except SpecsplitError as e:
         print(f"specsplit-edge: {e}{_hint(e, args)}", file=sys.stderr)

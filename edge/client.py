@@ -48,10 +48,11 @@ from specsplit.shared.protocol import pb_grpc
 from specsplit.shared.seeding import round_rng
 from specsplit.shared.session_mode import SessionMode
 
-# Where tokens come from: draft and verify (session mode lock-step, cloud-led or auto), the
-# target alone (session mode cloud-only, spelt the same), the draft alone (no session).
+# The route: where tokens come from. Draft and verify (session mode lock-step, cloud-led or
+# auto), the target alone (session mode cloud-only, spelt the same), the draft alone (no session).
 CLOUD_ONLY = SessionMode.CLOUD_ONLY.value
-MODES = ("split", CLOUD_ONLY, "edge-only")
+ROUTES = ("split", CLOUD_ONLY, "edge-only")
+SERVE_ROUTES = ROUTES[:2]  # the OpenAI endpoint's: a server has no edge-only
 
 
 def check_token_transport(address: str | None, token: str | None, secure: bool, insecure: bool):
@@ -122,32 +123,32 @@ class SplitClient:
             await self._channel.close()
 
     def generate(
-        self, prompt_ids: Sequence[int], cfg: GenerationConfig, mode: str = "split"
+        self, prompt_ids: Sequence[int], cfg: GenerationConfig, route: str = "split"
     ) -> Generation:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
-        if mode != CLOUD_ONLY and self.drafter is None:
-            raise ValueError(f"mode {mode} needs a drafter")
-        if mode != "edge-only" and self._stub is None:
-            raise ValueError(f"mode {mode} needs a server address")
-        if mode != CLOUD_ONLY and max(prompt_ids) >= self.proposer.vocab_size:
+        if route != CLOUD_ONLY and self.drafter is None:
+            raise ValueError(f"route {route} needs a drafter")
+        if route != "edge-only" and self._stub is None:
+            raise ValueError(f"route {route} needs a server address")
+        if route != CLOUD_ONLY and max(prompt_ids) >= self.proposer.vocab_size:
             raise ValueError(
                 f"prompt token id {max(prompt_ids)} outside the draft's vocabulary "
                 f"[0, {self.proposer.vocab_size})"
             )
-        limit = None if mode == CLOUD_ONLY else self.proposer.max_positions
+        limit = None if route == CLOUD_ONLY else self.proposer.max_positions
         if limit is not None and len(prompt_ids) >= limit:  # the draft must feed one more
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens: the draft runs at most {limit} positions "
                 f"(its export's max_positions), and a generation needs one past the prompt; "
-                f"shorten the prompt, or use mode {CLOUD_ONLY} (no draft)"
+                f"shorten the prompt, or use route {CLOUD_ONLY} (no draft)"
             )
-        stats = GenerationStats(mode=mode)
-        if mode == "edge-only":
+        stats = GenerationStats(route=route)
+        if route == "edge-only":
             return Generation(self._edge_only(list(prompt_ids), cfg, stats), stats)
-        return Generation(self._with_retries(list(prompt_ids), cfg, stats, mode), stats)
+        return Generation(self._with_retries(list(prompt_ids), cfg, stats, route), stats)
 
     async def _edge_only(self, prompt, cfg, stats) -> AsyncIterator[list[int]]:
         stats.seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
@@ -167,14 +168,14 @@ class SplitClient:
         else:
             stats.finish = "LENGTH"
 
-    async def _with_retries(self, prompt, cfg, stats, mode) -> AsyncIterator[list[int]]:
+    async def _with_retries(self, prompt, cfg, stats, route) -> AsyncIterator[list[int]]:
         """Runs the session; after UNAVAILABLE, or RESOURCE_EXHAUSTED with a retry hint, re-opens
         with the committed sequence as prompt (edge/retry.py)."""
         committed = list(prompt)
         backoff = Backoff(cfg.retry_window_s)
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
-            plan = SessionPlan.of(cfg, mode == CLOUD_ONLY, self._link)
+            plan = SessionPlan.of(cfg, route == CLOUD_ONLY, self._link)
             # A re-open sends the seed the first Started reported: sampling resumes unchanged.
             stream = Stream(self._stub, self.metadata, cfg, stats, committed, remaining, stats.seed)
             try:

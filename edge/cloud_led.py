@@ -81,8 +81,9 @@ class _Reach:
     """How far ahead to speculate: the tokens the cloud commits while a Draft is on its way
     (measured: committed_len at use minus the Draft's base_len), plus twice the positions worth
     verifying (while the measured chance that all before them are accepted stays >= MIN_REACH;
-    at most k_max and the cloud's hint): once for the step that uses the Draft, once more for
-    the step after it, which starts before the edge hears of the first and can extend it.
+    at most max_draft_tokens and the cloud's hint): once for the step that uses the Draft, once
+    more for the step after it, which starts before the edge hears of the first and can extend
+    it.
 
     Until a Draft was verified the lag is estimated from Start's round trip over the cloud's
     time per committed token (Started.step_ms, then the Verdicts' spacing here). A Draft
@@ -96,15 +97,15 @@ class _Reach:
 
     def __init__(
         self,
-        k_max: int,
+        max_draft_tokens: int,
         limit: int,
         acceptance: DraftLength | None = None,
         sent: int = 0,
         rtt_ms: float | None = None,
         step_ms: float = 0.0,
     ):
-        self.k_max, self.limit = k_max, limit
-        self.acceptance = acceptance or DraftLength(k_max)
+        self.max_draft_tokens, self.limit = max_draft_tokens, limit
+        self.acceptance = acceptance or DraftLength(max_draft_tokens)
         self.rtt_ms = rtt_ms
         self.token_ms = step_ms if step_ms > 0 else None  # the cloud's time per committed token
         self.lag: float = self._travel()
@@ -146,12 +147,13 @@ class _Reach:
 
     def reachable(self) -> int:
         """Positions after a Draft's base worth verifying: while the measured chance that all
-        before them are accepted stays >= MIN_REACH (the acceptance past k_max taken as at
-        k_max), at most ``limit``; k_max while nothing was measured (the prior alone would
-        stop drafting at a few tokens of lag, before a Draft could show what it reaches)."""
+        before them are accepted stays >= MIN_REACH (the acceptance past max_draft_tokens taken
+        as at max_draft_tokens), at most ``limit``; max_draft_tokens while nothing was measured
+        (the prior alone would stop drafting at a few tokens of lag, before a Draft could show
+        what it reaches)."""
         if not self.acceptance.tried.any():
-            return min(self.k_max, self.limit)
-        alphas = self.acceptance.alphas()  # [k_max]
+            return min(self.max_draft_tokens, self.limit)
+        alphas = self.acceptance.alphas()  # [max_draft_tokens]
         alphas = np.concatenate([alphas, np.full(max(0, self.limit - len(alphas)), alphas[-1])])
         return int(np.sum(np.cumprod(alphas[: self.limit]) >= self.MIN_REACH))
 
@@ -160,10 +162,10 @@ class _Reach:
 
     def want(self, hint: int) -> int:
         if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
-            return min(self.limit, round(self.lag) + self.sent + min(self.k_max, hint))
+            return min(self.limit, round(self.lag) + self.sent + min(self.max_draft_tokens, hint))
         reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
-        useful = 1 + int(np.argmin(reach)) if not reach.all() else self.k_max
-        return min(self.limit, round(self.lag) + 2 * min(self.k_max, hint, useful))
+        useful = 1 + int(np.argmin(reach)) if not reach.all() else self.max_draft_tokens
+        return min(self.limit, round(self.lag) + 2 * min(self.max_draft_tokens, hint, useful))
 
 
 async def cloud_led_rounds(
@@ -178,12 +180,12 @@ async def cloud_led_rounds(
     the lead block and reaches past it, with the acceptance the lock-step rounds measured, while
     the cloud verifies it, instead of waiting for that verdict."""
     stats = stream.stats
-    k_max = min(plan.draft_tokens, started.limits.max_draft_tokens)
+    max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     reach = None
     if plan.adaptive:
         limit = started.limits.max_draft_tokens
         lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
-        reach = _Reach(k_max, limit, *lead, stream.stats.start_rtt_ms, started.step_ms)
+        reach = _Reach(max_draft_tokens, limit, *lead, stream.stats.start_rtt_ms, started.step_ms)
     verdicts: asyncio.Queue = asyncio.Queue()
     led = handover.led if handover is not None else None
     if led is not None:
@@ -192,7 +194,7 @@ async def cloud_led_rounds(
     receiver = asyncio.create_task(asyncio.sleep(0) if over else _receive(stream, verdicts))
     spec = _Speculation(handover.block if handover else None, len(stream.committed))
     drafts = _Drafts(stream, started, handover)
-    paused, hint = 0, k_max
+    paused, hint = 0, max_draft_tokens
     after_rejection = False  # the previous Verdict corrected a draft
     stale_from = 0  # Verdict.drafts_dropped when drafting last (re)started
     remaining = handover.remaining if handover is not None else started.max_new_tokens
@@ -201,7 +203,7 @@ async def cloud_led_rounds(
     getter: asyncio.Future | None = None
     try:
         while True:
-            ahead = reach.want(hint) if reach else min(k_max, hint)
+            ahead = reach.want(hint) if reach else min(max_draft_tokens, hint)
             want = max(0, min(ahead, remaining - 1))
             # No Draft can be verified while the cloud commits past the speculation's reach
             # before one arrives: the edge drafts nothing then, as if paused.
@@ -244,7 +246,7 @@ async def cloud_led_rounds(
                 remaining -= len(chunk)
                 if v.HasField("max_draft_tokens_hint") and plan.follow_hint:
                     hint = v.max_draft_tokens_hint
-                    stats.block_hint.append(hint)
+                    stats.max_draft_tokens_hint.append(hint)
                 before, paused = paused, _pause(stats, paused, v.drafts_dropped - stale_from)
                 if before and not paused:  # drafting resumes: stale Drafts count afresh
                     stale_from = v.drafts_dropped
@@ -278,7 +280,7 @@ class _Drafts:
 
     def __init__(self, stream: Stream, started: pb.Started, handover: Handover | None):
         self.stream = stream
-        self.rejection = started.verification == pb.VERIFICATION_MODE_REJECTION
+        self.rejection = started.verification == pb.VERIFICATION_RULE_REJECTION
         self.q_counts = started.q_counts
         self.first_round = self.round = handover.round if handover is not None else 0
         self.sent: dict[int, tuple[int, list[int]]] = {}

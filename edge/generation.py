@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from specsplit.edge.drafting import DEFAULT_Q_ENTRIES
 from specsplit.edge.retry import DEFAULT_WINDOW_S
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import Q_LEVELS, SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
@@ -34,9 +34,9 @@ class GenerationConfig:
     # None: the server picks a seed per request (edge-only: the edge does) and reports it in
     # stats.seed; give one to reproduce a run.
     seed: int | None = None
-    # The largest k. Each round drafts the k in [0, draft_tokens] that maximises expected tokens
-    # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly draft_tokens).
-    draft_tokens: int = 8
+    # The largest k. Each round drafts the k in [0, max_draft_tokens] that maximises expected tokens
+    # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly max_draft_tokens).
+    max_draft_tokens: int = 8
     adaptive: bool | None = None  # None: adapt, except in a seeded sampled run (reproducible)
     # Draft at most the cloud's per-verdict hint (it shortens blocks when the cloud is
     # compute-bound). False keeps k fixed (adaptive too): seeded sampled runs then repeat exactly
@@ -51,7 +51,7 @@ class GenerationConfig:
     # when a run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a
     # cloud-led or adaptive run's blocks depend on timing; greedy output never does).
     session_mode: str = AUTO  # edge.session_plan.SESSION_MODES; SessionPlan reads it
-    verification: VerificationMode | None = None  # None: greedy at temperature 0, else rejection
+    verification: VerificationRule | None = None  # None: greedy at temperature 0, else rejection
     stop_ids: tuple[int, ...] = ()
     q_entries: int = DEFAULT_Q_ENTRIES
     # The draft samples from q quantised to this many steps and sends one byte per entry
@@ -92,7 +92,7 @@ class GenerationConfig:
 
 @dataclass
 class GenerationStats:
-    mode: str
+    route: str  # edge.client.ROUTES: split, cloud-only or edge-only
     new_tokens: int = 0
     rounds: int = 0  # Verdicts
     drafted: int = 0  # draft tokens the target verified (shared.spec_counts), stale ones never
@@ -126,7 +126,9 @@ class GenerationStats:
     verify_ms: list[float] = field(default_factory=list)  # per round, target forward (server)
     server_ms: list[float] = field(default_factory=list)  # per round, at the gateway
     queue_ms: list[float] = field(default_factory=list)  # per round, Triton overhead
-    block_hint: list[int] = field(default_factory=list)  # per round, the cloud's largest k wanted
+    max_draft_tokens_hint: list[int] = field(
+        default_factory=list
+    )  # per round, the cloud's largest k wanted
     k_chosen: list[int] = field(default_factory=list)  # per round, the adaptive k
     batch_sessions: list[int] = field(default_factory=list)  # per round, sessions in its pass
     batch_rows: list[int] = field(default_factory=list)  # per round, rows of its pass

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specsplit.shared.steps import cache_dir, install_hint
+from specsplit.shared.build_steps import cache_dir, install_hint
 from specsplit.shared.weights.sources import GgufChunkSource, cached_gguf
 
 

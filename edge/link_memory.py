@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from specsplit.edge.mode_switch import Link, Yield
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -42,14 +42,14 @@ async def lockstep_rounds(
     """Each round's committed chunk from Started, or, last, the Handover to cloud-led rounds;
     ``first``: the first block and its drafting time (ms), drafted early."""
     stats = stream.stats
-    k_max = min(plan.draft_tokens, started.limits.max_draft_tokens)
-    chooser = DraftLength(k_max) if plan.adaptive else None
-    switch = LeadChoice(k_max, rule.sampling.greedy, plan.led) if plan.may_lead else None
+    max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
+    chooser = DraftLength(max_draft_tokens) if plan.adaptive else None
+    switch = LeadChoice(max_draft_tokens, rule.sampling.greedy, plan.led) if plan.may_lead else None
     t_prev = time.perf_counter()  # the last verdict (Started at first): a lock-step cycle
     remaining = started.max_new_tokens
     round_no = 0
-    hint = k_max  # the cloud's largest wanted block, updated by every verdict
-    k = k_max
+    hint = max_draft_tokens  # the cloud's largest wanted block, updated by every verdict
+    k = max_draft_tokens
     while True:
         round_no += 1
         # A round emits up to k + 1 tokens: never draft past the length limit.
@@ -73,7 +73,7 @@ async def lockstep_rounds(
             yield Handover(round_no, block, remaining, switch.lengths)
             return
         # The next block's size is chosen now, before the verdict, so it can be drafted ahead.
-        planned = chooser.choose(hint) if chooser else k_max
+        planned = chooser.choose(hint) if chooser else max_draft_tokens
         k_next = max(0, min(planned, hint, remaining - (k + 1) - 1))
         ahead = None
         if plan.draft_ahead and k > 0 and k_next > 0:
@@ -82,7 +82,7 @@ async def lockstep_rounds(
         v, t2, first = await _verdict(stream, k, ahead)
         if v.led:  # the cloud leads: v is a cloud-led step's, the block one of its Drafts
             stats.lead_round, stats.cloud_took_lead = round_no, True
-            lengths = switch.lengths if switch is not None else DraftLength(k_max)
+            lengths = switch.lengths if switch is not None else DraftLength(max_draft_tokens)
             yield Handover(round_no, block, remaining, lengths, v)
             return
         chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
@@ -94,7 +94,7 @@ async def lockstep_rounds(
         count_pass(stats, LOCK_STEP, len(chunk), cycle_ms)
         if plan.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
-            stats.block_hint.append(hint)
+            stats.max_draft_tokens_hint.append(hint)
         if chooser is not None:
             critical_ms = draft_ms if fresh else None  # a block drafted ahead hid its cost
             chooser.observe(k, v.accepted, v.timings.verify_ms, round_ms, critical_ms)
@@ -110,7 +110,7 @@ async def lockstep_rounds(
 
 def _draft(started: pb.Started, round_no: int, base_len: int, block: Block, lead: bool):
     draft = pb.Draft(round=round_no, base_len=base_len, tokens=block.tokens, lead=lead)
-    if block.q is not None and started.verification == pb.VERIFICATION_MODE_REJECTION:
+    if block.q is not None and started.verification == pb.VERIFICATION_RULE_REJECTION:
         draft.q.extend(sparse_to_pb(q, started.q_counts) for q in block.q)
     return pb.ClientMessage(draft=draft)
 

@@ -135,8 +135,8 @@ class Link(NamedTuple):
 class LeadChoice:
     """Measures lock-step rounds; ``should_lead`` says when cloud-led would be faster."""
 
-    def __init__(self, k_max: int, greedy: bool, led: Yield | None = None) -> None:
-        self.lengths = DraftLength(k_max)  # acceptance per position, pass cost by rows
+    def __init__(self, max_draft_tokens: int, greedy: bool, led: Yield | None = None) -> None:
+        self.lengths = DraftLength(max_draft_tokens)  # acceptance per position, pass cost by rows
         self.greedy = greedy
         self.led = led  # what cloud-led yielded on this link last (Link.cloud_led), if known
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass

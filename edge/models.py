@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 from specsplit.shared.weights.sources import (
     DRAFT_DEFAULT,
     SOURCES,

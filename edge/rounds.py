@@ -41,7 +41,7 @@ async def run_rounds(
     # sampled draft needs the seed first, which Started brings when the request sent none.
     if plan.mode is SessionMode.LOCK_STEP and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
-        k_first = min(plan.draft_tokens, stream.max_new_tokens - 1)
+        k_first = min(plan.max_draft_tokens, stream.max_new_tokens - 1)
         early = Worker(timed_block, proposer, stream.committed, k_first, rule)
     try:
         started = await stream.started()
@@ -51,7 +51,7 @@ async def run_rounds(
             rule = _rule(stream, proposer, started.seed)
         first = await early.result() if early is not None else None
         if plan.mode is SessionMode.LOCK_STEP and first is None:
-            k_first = min(plan.draft_tokens, started.max_new_tokens - 1)
+            k_first = min(plan.max_draft_tokens, started.max_new_tokens - 1)
             first = await block_off_loop(proposer, stream.committed, k_first, rule)
     finally:
         if early is not None:  # the drafter must be idle before anyone else uses it

@@ -4,10 +4,9 @@
 previous Started measured (edge.mode_switch: a long round trip starts cloud-led) and what
 cloud-led yielded on it (a cloud-led run that verified few drafts starts lock-step instead).
 ``settled`` adds what this stream's Started says: the mode the server runs
-(Started.session_mode; an older server leaves it UNSPECIFIED and says cloud-led only through
-Started.cloud_led, else runs what it was asked or lock-step), whether lock-step rounds may
-still hand over to cloud-led (the server accepts Draft.lead), and whether the first Draft
-leads. The loops only read the plan.
+(Started.session_mode: what it was asked, or lock-step where cloud-led was asked), whether
+lock-step rounds may still hand over to cloud-led (the server accepts Draft.lead), and whether
+the first Draft leads. The loops only read the plan.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ class SessionPlan:
     mode: SessionMode  # asked at Start; once settled, the mode the server runs
     auto: bool  # session mode auto: the edge chose the mode itself
     may_lead: bool  # lock-step rounds may hand over to cloud-led (Draft.lead)
-    draft_tokens: int  # the largest k
-    adaptive: bool  # k chosen per round (edge.adaptive), else draft_tokens
+    max_draft_tokens: int  # the largest k
+    adaptive: bool  # k chosen per round (edge.adaptive), else max_draft_tokens
     obeys_hint: bool  # lock-step blocks shrink to the cloud's hint
     follow_hint: bool  # a cloud-led speculation reaches no further than the hint
     draft_ahead: bool  # lock-step drafts the next block while a verdict is in flight
@@ -57,7 +56,7 @@ class SessionPlan:
             mode=mode,
             auto=not cloud_only and cfg.session_mode == AUTO,
             may_lead=may_lead,
-            draft_tokens=cfg.draft_tokens,
+            max_draft_tokens=cfg.max_draft_tokens,
             adaptive=cfg.adapts,
             obeys_hint=cfg.obeys_hint,
             follow_hint=cfg.follow_hint,
@@ -84,13 +83,13 @@ class SessionPlan:
 
     def _mode_run(self, started: pb.Started) -> SessionMode:
         asked = self.mode
-        if started.session_mode == pb.SESSION_MODE_UNSPECIFIED:  # an older server
-            if asked is SessionMode.CLOUD_LED and not started.cloud_led:
-                return SessionMode.LOCK_STEP  # it ignored Start.cloud_led
-            return asked
         mode = PB_TO_SESSION_MODE.get(started.session_mode)
-        # Lock-step where cloud-led was asked is a server's right (Started.cloud_led); else the
-        # edge could not go on: it drafts for the mode it asked for, or has no draft at all.
+        if mode is None:
+            raise SpecsplitError(
+                None, f"the server's Started has no known session_mode ({started.session_mode})"
+            )
+        # Lock-step where cloud-led was asked is a server's right; else the edge could not go
+        # on: it drafts for the mode it asked for, or has no draft at all.
         if mode is not asked and (asked, mode) != (SessionMode.CLOUD_LED, SessionMode.LOCK_STEP):
             raise SpecsplitError(None, f"asked for session mode {asked}, the server runs {mode}")
         return mode

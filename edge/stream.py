@@ -17,11 +17,11 @@ import grpc
 
 from specsplit.edge.mode_switch import Link
 from specsplit.shared.protocol import (
-    MODE_TO_PB,
     PROTOCOL_VERSION,
+    SESSION_MODE_TO_PB,
+    VERIFICATION_TO_PB,
     pb,
     sampling_params,
-    session_mode_fields,
 )
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
@@ -118,10 +118,10 @@ class Stream:
             model=cfg.model,
             prompt_ids=self.committed,
             sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
-            verification=MODE_TO_PB.get(cfg.verification, 0),
+            verification=VERIFICATION_TO_PB.get(cfg.verification, 0),
             draft_tokenizer=draft_tokenizer or "",
             follows_lead=follows_lead,
-            **session_mode_fields(mode),
+            session_mode=SESSION_MODE_TO_PB[mode],
         )
         self._t_start = time.perf_counter()
         await self.send(pb.ClientMessage(start=start))

@@ -12,7 +12,7 @@ Every round therefore emits ``d_1..d_n`` and exactly one more token.
 
 The cloud verifier calls these unchanged. Randomness comes only from the ``rng`` argument, so a
 seeded generator reproduces a run. A ``draw`` argument, where given, takes over the draws from p
-that no draft decides (the bonus; every token in token-only mode): ``draw(i, p[i])`` returns the
+that no draft decides (the bonus; every token of the token-only rule): ``draw(i, p[i])`` returns the
 token at draft position i. The cloud passes one that shares its numbers with the edge's drafting
 (shared/coupling.py); the accept tests and the corrections always use ``rng``.
 """
@@ -30,8 +30,8 @@ from specsplit.shared.sampling import SparseDist, sample
 Draw = Callable[[int, np.ndarray], int]  # (row i, p[i]) -> a token drawn from p[i]
 
 
-class VerificationMode(enum.IntEnum):
-    """Verification rule; values match the proto's VerificationMode."""
+class VerificationRule(enum.IntEnum):
+    """Verification rule; values match the proto's VerificationRule."""
 
     GREEDY = 1
     REJECTION = 2
@@ -123,16 +123,16 @@ def verify_token_only(
     return RoundResult(accepted=k, token=_plain(p, k, rng, draw), k=k)
 
 
-def resolve_mode(
-    requested: VerificationMode | None, temperature: float, has_q: bool
-) -> VerificationMode:
+def resolve_verification(
+    requested: VerificationRule | None, temperature: float, has_q: bool
+) -> VerificationRule:
     """The rule a session uses: greedy at temperature 0, else the requested sampled rule."""
     if temperature == 0.0:
         # A sampled rule at temperature 0 is still exact (p is one-hot), but greedy is cheaper and
         # needs no randomness, so it always wins.
-        return VerificationMode.GREEDY
-    if requested == VerificationMode.GREEDY:
+        return VerificationRule.GREEDY
+    if requested == VerificationRule.GREEDY:
         raise ValueError("greedy verification needs temperature 0")
     if requested is None:
-        return VerificationMode.REJECTION if has_q else VerificationMode.TOKEN_ONLY
+        return VerificationRule.REJECTION if has_q else VerificationRule.TOKEN_ONLY
     return requested

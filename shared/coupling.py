@@ -1,7 +1,7 @@
 """Shared random numbers for the draws edge and cloud make at the same position.
 
 When the cloud draws a token from p with no draft deciding it (a cloud-led step that found no
-fitting Draft, the bonus after an accepted block, every token in token-only mode) and the edge drew
+fitting Draft, the bonus after an accepted block, all tokens of token-only) and the edge drew
 its speculation for that position from q, the two agree only by chance. With independent numbers
 that chance is sum_x p(x) q(x): on flat distributions (prose at T=0.7) it is often below one half,
 so the edge's speculation past such a position is mostly wasted. Drawing both with the same

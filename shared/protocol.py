@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "gRPC stubs not generated: install the package (pip install .), or run `make proto`"
     ) from e
 
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist, from_counts
 from specsplit.shared.session_mode import SessionMode
 
@@ -28,12 +28,12 @@ SERVICE_NAME = "specsplit.v1.SpeculativeDecoding"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's own retry policy honours it (gRFC A6)
 RETRY_AFTER_KEY = "retry-after-ms"  # the same hint for clients that retry by hand (the edge)
 
-MODE_TO_PB = {
-    VerificationMode.GREEDY: pb.VERIFICATION_MODE_GREEDY,
-    VerificationMode.REJECTION: pb.VERIFICATION_MODE_REJECTION,
-    VerificationMode.TOKEN_ONLY: pb.VERIFICATION_MODE_TOKEN_ONLY,
+VERIFICATION_TO_PB = {
+    VerificationRule.GREEDY: pb.VERIFICATION_RULE_GREEDY,
+    VerificationRule.REJECTION: pb.VERIFICATION_RULE_REJECTION,
+    VerificationRule.TOKEN_ONLY: pb.VERIFICATION_RULE_TOKEN_ONLY,
 }
-PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
+PB_TO_VERIFICATION = {v: k for k, v in VERIFICATION_TO_PB.items()}
 SESSION_MODE_TO_PB = {
     SessionMode.LOCK_STEP: pb.SESSION_MODE_LOCK_STEP,
     SessionMode.CLOUD_LED: pb.SESSION_MODE_CLOUD_LED,
@@ -42,34 +42,13 @@ SESSION_MODE_TO_PB = {
 PB_TO_SESSION_MODE = {v: k for k, v in SESSION_MODE_TO_PB.items()}
 
 
-def session_mode_fields(mode: SessionMode) -> dict:
-    """Start's fields for ``mode``: session_mode, and the deprecated bools an older server reads
-    (protocol version 1 keeps both; they always agree)."""
-    return {
-        "session_mode": SESSION_MODE_TO_PB[mode],
-        "cloud_only": mode is SessionMode.CLOUD_ONLY,
-        "cloud_led": mode is SessionMode.CLOUD_LED,
-    }
-
-
 def session_mode_of(start: pb.Start) -> SessionMode:
-    """The mode a Start asks for. Raises ValueError when its fields contradict each other."""
-    if start.cloud_only and start.cloud_led:
-        raise ValueError("cloud_only and cloud_led exclude each other")
-    old = (
-        SessionMode.CLOUD_ONLY
-        if start.cloud_only
-        else SessionMode.CLOUD_LED
-        if start.cloud_led
-        else None
-    )
+    """The mode a Start asks for (UNSPECIFIED: lock-step). Raises ValueError on an unknown one."""
     if start.session_mode == pb.SESSION_MODE_UNSPECIFIED:
-        return old or SessionMode.LOCK_STEP
+        return SessionMode.LOCK_STEP
     mode = PB_TO_SESSION_MODE.get(start.session_mode)
     if mode is None:
         raise ValueError(f"unknown session_mode {start.session_mode}")
-    if old is not None and old is not mode:
-        raise ValueError(f"session_mode {mode} contradicts the deprecated {old.name.lower()} flag")
     return mode
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 from tests.session_cache import session_cache
 
 # The user's cache: ${SPECSPLIT_CACHE:-~/.cache/specsplit} as the session found it.

@@ -14,11 +14,11 @@ import numpy as np
 
 from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
 from specsplit.cloud.gateway.session import ModelLimits
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.shared.protocol import SERVICE_NAME, pb
 
 VOCAB = 256
-MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512), "")
+MODEL = ModelIdentity("tiny", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=512))
 NOWHERE = "127.0.0.1:1"  # no Triton: the fakes answer instead
 
 
@@ -39,14 +39,16 @@ class FakeTriton:
         self.sequence_id = 1
         self.seeds: list[int] = []
 
-    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
+    async def start(
+        self, prompt, sampling, verification, seed: int, speculative: bool = True
+    ) -> None:
         self.seeds.append(seed)
 
-    async def reopen(self, prompt, sampling, mode, seed: int) -> None:
+    async def reopen(self, prompt, sampling, verification, seed: int) -> None:
         self.seeds.append(seed)
 
-    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
-        return VerifyReply(accepted=0, token=7, verify_ms=1.0, roundtrip_ms=1.0)
+    async def step(self, base_len: int, tokens: Sequence[int], q=None) -> StepReply:
+        return StepReply(accepted=0, token=7, verify_ms=1.0, roundtrip_ms=1.0)
 
     async def close(self) -> None:
         pass

@@ -15,7 +15,7 @@ from scipy import stats
 
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, logits_to_probs
 from specsplit.shared.tiny import reference_greedy
 
@@ -32,16 +32,16 @@ def _sessions():
     out = []
     for i, (n, kind) in enumerate(zip(lengths, kinds, strict=True)):
         prompt = rng.integers(0, 256, size=n).tolist()
-        cfg = dict(max_new_tokens=N_NEW, draft_tokens=1 + i % 6, seed=i)
+        cfg = dict(max_new_tokens=N_NEW, max_draft_tokens=1 + i % 6, seed=i)
         mode = "cloud-only" if kind == "cloud-only" else "split"
         if kind == "rejection":
             cfg |= dict(
-                sampling=SamplingConfig(temperature=0.9), verification=VerificationMode.REJECTION
+                sampling=SamplingConfig(temperature=0.9), verification=VerificationRule.REJECTION
             )
         if i == 11:
             kind = "token-only"
             cfg |= dict(
-                sampling=SamplingConfig(temperature=0.9), verification=VerificationMode.TOKEN_ONLY
+                sampling=SamplingConfig(temperature=0.9), verification=VerificationRule.TOKEN_ONLY
             )
         out.append((prompt, mode, kind, cfg))
     return out
@@ -49,7 +49,7 @@ def _sessions():
 
 async def _generate(address, drafter, prompt, mode, cfg):
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        gen = client.generate(prompt, GenerationConfig(**cfg), route=mode)
         await gen.collect()
         return gen
 
@@ -88,7 +88,7 @@ def target_probs(tiny, prompt, cfg: SamplingConfig) -> np.ndarray:
     return logits_to_probs(logits, cfg)
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationRule.REJECTION, VerificationRule.TOKEN_ONLY])
 def test_first_token_follows_target_distribution_under_batching(cloud, tiny, verification):
     """N sessions with seeds 0..N-1 through the whole stack, 8 in flight at a time so their
     rounds are verified inside shared forward passes (asserted); chi-square of the first token.
@@ -115,7 +115,7 @@ def test_first_token_follows_target_distribution_under_batching(cloud, tiny, ver
                         "split",
                         dict(
                             max_new_tokens=2,
-                            draft_tokens=1,
+                            max_draft_tokens=1,
                             sampling=cfg,
                             seed=base + j,
                             verification=verification,

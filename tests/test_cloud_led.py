@@ -4,7 +4,7 @@ the timing, including a link slow enough to make most drafts stale on arrival.
 Greedy: the output equals transformers' greedy output of the target. Sampled: every verification
 mode completes with the requested length (its exactness is the chi-square test in
 tests/cloud/gateway/test_cloud_led_distribution.py, which runs the gateway's own draft pool), and in
-token-only mode the output is the target's own sampled output for the seed, token for token,
+the token-only rule the output is the target's own sampled output for the seed, token for token,
 whatever the drafter, the session mode and the link: every token is the cloud's draw with the
 session's shared numbers (shared/coupling.py), which drafts can only match, never change.
 """
@@ -18,7 +18,7 @@ import pytest
 from bench.proxy import DelayProxy
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 
@@ -72,7 +72,7 @@ def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
     port = port_of(cloud)
     for prompt in PROMPTS:
-        gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, draft_tokens=4))
+        gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, max_draft_tokens=4))
         s = gen.stats
         assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
         assert s.finish == "LENGTH"
@@ -93,7 +93,7 @@ def test_greedy_auto_switching_mid_stream_equals_target_greedy(
         drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
         for prompt in PROMPTS:
             gen = asyncio.run(
-                _generate(port_of(cloud), rtt_ms, drafter, prompt, "auto", draft_tokens=4)
+                _generate(port_of(cloud), rtt_ms, drafter, prompt, "auto", max_draft_tokens=4)
             )
             s = gen.stats
             assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
@@ -130,14 +130,14 @@ def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     assert gen.token_ids == target_greedy[tuple(prompt)]
     assert gen.stats.lead_round == 1 and gen.stats.cloud_took_lead, gen.stats.summary()
     assert not gen.stats.led_at_start
-    # The next generation starts cloud-led (Start.cloud_led): no lock-step round at all.
+    # The next generation starts cloud-led (Start.session_mode): no lock-step round at all.
     assert again.token_ids == target_greedy[tuple(prompt)]
     s = again.stats
     assert s.led_at_start and s.lead_round == 0, s.summary()
     assert s.target_forward_passes == s.rounds and s.new_tokens == s.accepted + s.rounds
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationRule.REJECTION, VerificationRule.TOKEN_ONLY])
 def test_sampled_cloud_led_completes(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.target_onnx)
     port = port_of(cloud)
@@ -155,11 +155,13 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
     async def cloud_only(prompt):
         async with SplitClient(cloud.address, None) as client:
             cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=11)
-            gen = client.generate(prompt, cfg, mode="cloud-only")
+            gen = client.generate(prompt, cfg, route="cloud-only")
             await gen.collect()
             return gen.token_ids
 
-    cfg = dict(sampling=sampling, verification=VerificationMode.TOKEN_ONLY, seed=11, draft_tokens=4)
+    cfg = dict(
+        sampling=sampling, verification=VerificationRule.TOKEN_ONLY, seed=11, max_draft_tokens=4
+    )
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert len(want) == N_NEW
@@ -171,31 +173,6 @@ def test_token_only_sampled_output_is_the_targets_own_for_the_seed(cloud, tiny, 
                     assert gen.token_ids == want, (prompt, draft, mode, rtt_ms)
                     if (draft, mode) == ("same", "lock-step"):  # every round verifies drafts
                         assert gen.stats.accepted > 0, (prompt, rtt_ms)
-
-
-def test_cloud_only_and_cloud_led_together_are_refused(cloud):
-    from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
-
-    async def call():
-        import grpc
-
-        async with grpc.aio.insecure_channel(cloud.address) as channel:
-            stub = pb_grpc.SpeculativeDecodingStub(channel)
-            start = pb.Start(
-                protocol_version=PROTOCOL_VERSION,
-                prompt_ids=[1, 2],
-                sampling=pb.SamplingParams(max_new_tokens=4),
-                cloud_only=True,
-                cloud_led=True,
-            )
-            call = stub.Generate(iter([pb.ClientMessage(start=start)]))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in call:
-                    pass
-            return e.value
-
-    error = asyncio.run(call())
-    assert error.code().name == "INVALID_ARGUMENT" and "exclude" in error.details()
 
 
 @pytest.mark.parametrize("pause_s", [0.0, 0.3])
@@ -215,7 +192,7 @@ def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
                 protocol_version=PROTOCOL_VERSION,
                 prompt_ids=[1, 2, 3],
                 sampling=pb.SamplingParams(max_new_tokens=3),
-                cloud_led=True,
+                session_mode=pb.SESSION_MODE_CLOUD_LED,
             )
             await call.write(pb.ClientMessage(start=start))
             kinds = []
@@ -257,13 +234,15 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
 
     async def cloud_only(prompt):
         async with SplitClient(cloud.address, None) as client:
-            gen = client.generate(prompt, GenerationConfig(max_new_tokens=N_NEW), mode="cloud-only")
+            gen = client.generate(
+                prompt, GenerationConfig(max_new_tokens=N_NEW), route="cloud-only"
+            )
             return await gen.collect()
 
     for prompt in PROMPTS:
         want = asyncio.run(cloud_only(prompt))
         assert want == target_greedy[tuple(prompt)]
-        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", draft_tokens=4))
+        gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", max_draft_tokens=4))
         s = gen.stats
         assert gen.token_ids == want, (prompt, draft)
         assert s.cloud_took_lead and s.lead_round == 1, s.summary()
@@ -271,13 +250,13 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
         assert s.new_tokens == s.accepted + s.rounds
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.TOKEN_ONLY, VerificationMode.REJECTION])
+@pytest.mark.parametrize("verification", [VerificationRule.TOKEN_ONLY, VerificationRule.REJECTION])
 def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
     cloud, tiny, monkeypatch, verification
 ):
-    """Sampled, the cloud's lead is as lossless: in token-only mode every token is the cloud's
+    """Sampled, the cloud's lead is as lossless: under the token-only rule each token is the cloud's
     draw with the session's shared numbers, so the output is cloud-only's for the seed, token
-    for token; in rejection mode the lock-step block (drafted with its q) becomes a cloud-led
+    for token; under the rejection rule the lock-step block (drafted with its q) becomes a cloud-led
     Draft, and the generation completes (its exactness is the pool's chi-square test in
     tests/cloud/gateway/test_cloud_led_distribution.py: the pool is the same)."""
     from specsplit.edge.mode_switch import LeadChoice
@@ -294,13 +273,13 @@ def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
     async def cloud_only(prompt):
         async with SplitClient(cloud.address, None) as client:
             cfg = GenerationConfig(max_new_tokens=N_NEW, sampling=sampling, seed=5)
-            return await client.generate(prompt, cfg, mode="cloud-only").collect()
+            return await client.generate(prompt, cfg, route="cloud-only").collect()
 
-    cfg = dict(sampling=sampling, verification=verification, seed=5, draft_tokens=4)
+    cfg = dict(sampling=sampling, verification=verification, seed=5, max_draft_tokens=4)
     for prompt in PROMPTS:
         gen = asyncio.run(_generate(port, 150, drafter, prompt, "auto", **cfg))
         s = gen.stats
         assert s.cloud_took_lead and s.lead_round == 1, s.summary()
         assert len(gen.token_ids) == N_NEW and s.new_tokens == s.accepted + s.rounds
-        if verification is VerificationMode.TOKEN_ONLY:
+        if verification is VerificationRule.TOKEN_ONLY:
             assert gen.token_ids == asyncio.run(cloud_only(prompt)), prompt

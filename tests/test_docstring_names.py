@@ -110,19 +110,19 @@ def test_names_in_prose_are_found():
     """The scanner itself: names in docstrings and comments, not paths or other words."""
     src = (
         '"""Uses cloud.gateway.admission and specsplit.edge.rounds.run_rounds."""\n'
-        "# see edge/cloud_led.py and shared.acceptance.VerificationMode's values\n"
+        "# see edge/cloud_led.py and shared.acceptance.VerificationRule's values\n"
         "x = 'cloud.not_prose'\n"
     )
     got = [n for _, text in prose(src) for n in names_in(text)]
     assert got == [
         "cloud.gateway.admission",
         "edge.rounds.run_rounds",
-        "shared.acceptance.VerificationMode",
+        "shared.acceptance.VerificationRule",
     ]
 
 
 def test_resolver_accepts_real_and_refuses_moved_names():
-    assert resolves("shared.acceptance.VerificationMode.GREEDY")
+    assert resolves("shared.acceptance.VerificationRule.GREEDY")
     assert resolves("edge.session_plan.SessionPlan.may_lead")  # a dataclass field
     assert resolves("cloud.gateway.round.Round.lease")  # set in __init__
     assert not resolves("cloud.ragged.RaggedForward")  # moved to cloud.engine.ragged

@@ -12,7 +12,7 @@ import pytest
 
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.onnx_drafter import OnnxDrafter
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import reference_greedy
 
@@ -26,9 +26,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def generate(address, drafter, prompt, mode="split", **cfg):
+async def generate(address, drafter, prompt, route="split", **cfg):
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        gen = client.generate(prompt, GenerationConfig(**cfg), route=route)
         await gen.collect()
         return gen
 
@@ -47,7 +47,7 @@ def test_greedy_split_equals_target_greedy(cloud, tiny, references, k, draft):
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
     for prompt in PROMPTS:
         # k fixed (no hint, so lock-step): the invariants below are about blocks of exactly k
-        cfg = dict(max_new_tokens=N_NEW, draft_tokens=k, follow_hint=False)
+        cfg = dict(max_new_tokens=N_NEW, max_draft_tokens=k, follow_hint=False)
         gen = run(generate(cloud.address, drafter, prompt, **cfg))
         s = gen.stats
         assert gen.token_ids == references["target"][tuple(prompt)], (prompt, k, draft)
@@ -78,12 +78,12 @@ def test_edge_only_equals_draft_greedy(tiny, references):
         assert gen.stats.finish == "LENGTH"
 
 
-@pytest.mark.parametrize("verification", [VerificationMode.REJECTION, VerificationMode.TOKEN_ONLY])
+@pytest.mark.parametrize("verification", [VerificationRule.REJECTION, VerificationRule.TOKEN_ONLY])
 def test_sampling_same_seed_same_output(cloud, tiny, verification):
     drafter = OnnxDrafter(tiny.draft_onnx)
     cfg = dict(
         max_new_tokens=N_NEW,
-        draft_tokens=3,
+        max_draft_tokens=3,
         sampling=SamplingConfig(temperature=0.9),
         verification=verification,
         follow_hint=False,  # the same blocks every run, whatever the cloud's measured load
@@ -104,7 +104,7 @@ def test_sampling_without_seed_differs_and_reports_its_seed(cloud, tiny, mode):
     drafter = OnnxDrafter(tiny.draft_onnx)
     cfg = dict(
         max_new_tokens=N_NEW,
-        draft_tokens=3,
+        max_draft_tokens=3,
         sampling=SamplingConfig(temperature=1.0),
         follow_hint=False,  # a seed reproduces a run given the same blocks
     )
@@ -122,7 +122,7 @@ def test_concurrent_sessions_do_not_mix(cloud, tiny, references):
         drafters = [OnnxDrafter(d) for d in (tiny.draft_onnx, tiny.target_onnx, tiny.draft_onnx)]
         return await asyncio.gather(
             *(
-                generate(cloud.address, d, p, max_new_tokens=N_NEW, draft_tokens=3)
+                generate(cloud.address, d, p, max_new_tokens=N_NEW, max_draft_tokens=3)
                 for d, p in zip(drafters, PROMPTS, strict=True)
             )
         )
@@ -152,7 +152,9 @@ def triton_sessions(triton_url: str) -> int:
 def test_session_closed_early_frees_its_cache(cloud, tiny):
     async def start_and_abandon():
         async with SplitClient(cloud.address, OnnxDrafter(tiny.draft_onnx)) as client:
-            gen = client.generate(PROMPTS[0], GenerationConfig(max_new_tokens=500, draft_tokens=2))
+            gen = client.generate(
+                PROMPTS[0], GenerationConfig(max_new_tokens=500, max_draft_tokens=2)
+            )
             async for _ in gen:
                 break  # the client goes away mid-generation
         return gen

@@ -39,7 +39,7 @@ def family(request, tmp_path_factory):
 async def generate(address: str, drafter, mode: str) -> tuple[list[int], int, int]:
     config = GenerationConfig(max_new_tokens=N_NEW, session_mode="lock-step", adaptive=False)
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(PROMPT, config, mode=mode)
+        gen = client.generate(PROMPT, config, route=mode)
         await gen.collect()
         return gen.token_ids, gen.stats.drafted, gen.stats.accepted
 

@@ -127,10 +127,10 @@ def test_cloud_extra_serves_from_the_installed_model_repository(dist, tiny, tmp_
     )
 
     async def generate(address: str) -> tuple[list[int], list[int]]:
-        cfg = GenerationConfig(max_new_tokens=8, draft_tokens=3)
+        cfg = GenerationConfig(max_new_tokens=8, max_draft_tokens=3)
         async with SplitClient(address, OnnxDrafter(tiny.draft_onnx)) as client:
             split = client.generate(PROMPT, cfg)
-            cloud_only = client.generate(PROMPT, cfg, mode="cloud-only")
+            cloud_only = client.generate(PROMPT, cfg, route="cloud-only")
             return await split.collect(), await cloud_only.collect()
 
     with CloudProcess(

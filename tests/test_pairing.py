@@ -116,12 +116,12 @@ def test_the_target_never_emits_a_padding_id(tmp_path):
     import torch
 
     from specsplit.cloud.engine.target import Open, SessionParams, TargetModel, Verify
-    from specsplit.shared.acceptance import VerificationMode
+    from specsplit.shared.acceptance import VerificationRule
     from specsplit.shared.sampling import SamplingConfig
     from specsplit.shared.tiny import make_tiny_qwen2
 
-    greedy = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
-    sampled = SessionParams(SamplingConfig(temperature=1.0), VerificationMode.TOKEN_ONLY, seed=3)
+    greedy = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
+    sampled = SessionParams(SamplingConfig(temperature=1.0), VerificationRule.TOKEN_ONLY, seed=3)
 
     def tokens(model_dir: Path, params) -> list[int]:
         target = TargetModel(model_dir, device="cpu", calibrate=False, weights="float")

@@ -29,7 +29,9 @@ async def _generate(address, drafter, prompt, mode, k):
         # Lock-step: blocks of k verified in shared passes are what this test is about. (Auto may
         # let the cloud lead on this tiny target, whose steps beat any first Draft: lossless too,
         # tests/cloud/gateway/test_server_lead.py, but its drafts mostly go stale.)
-        config = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=k, session_mode="lock-step")
+        config = GenerationConfig(
+            max_new_tokens=N_NEW, max_draft_tokens=k, session_mode="lock-step"
+        )
         gen = client.generate(prompt, config, mode)
         await gen.collect()
         return gen

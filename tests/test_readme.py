@@ -194,7 +194,7 @@ def test_the_node_readmes_shell_commands_run_against_a_real_cloud(cloud, tmp_pat
     )
     assert r.returncode == 0, r.stderr
     outs = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
-    assert [o["mode"] for o in outs] == ["cloud-only", "split"], outs
+    assert [o["route"] for o in outs] == ["cloud-only", "split"], outs
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and len(outs[0]["token_ids"]) == 24
 
 

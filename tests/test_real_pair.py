@@ -50,9 +50,9 @@ def test_real_pair_split_equals_target(pair, tmp_path):
     other = codec.chat_prompt(OTHER)  # a second session of another length, batched with it
 
     async def one(address, ids, mode, k, **options):
-        cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=k, **options)
+        cfg = GenerationConfig(max_new_tokens=N_NEW, max_draft_tokens=k, **options)
         async with SplitClient(address, OnnxDrafter(draft_dir)) as client:
-            gen = client.generate(ids, cfg, mode=mode)
+            gen = client.generate(ids, cfg, route=mode)
             await gen.collect()
             return gen
 

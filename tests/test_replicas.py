@@ -32,7 +32,7 @@ def _inferences(url: str) -> int:
 
 
 async def _generate_all(address, drafter_dir, prompts, on_tokens=None) -> list[list[int]]:
-    cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=3, follow_hint=False)
+    cfg = GenerationConfig(max_new_tokens=N_NEW, max_draft_tokens=3, follow_hint=False)
 
     async def one(prompt, hook):
         async with SplitClient(address, OnnxDrafter(drafter_dir)) as client:

@@ -75,10 +75,10 @@ async def _serving(address: str, within_s: float = 10.0) -> bool:
             await asyncio.sleep(0.2)
 
 
-async def _generate(address, drafter, cfg: GenerationConfig, mode="split", on_tokens=None):
+async def _generate(address, drafter, cfg: GenerationConfig, route="split", on_tokens=None):
     """The generation's tokens and stats; ``on_tokens(n)`` runs as tokens arrive."""
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(PROMPT, cfg, mode=mode)
+        gen = client.generate(PROMPT, cfg, route=route)
         async for _ in gen:
             if on_tokens is not None:
                 on_tokens(len(gen.token_ids))
@@ -108,10 +108,10 @@ class KillOnce:
 
 
 def test_triton_sigkill_mid_generation_is_survived(tiny, tmp_path):
-    greedy = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=3, follow_hint=False)
+    greedy = GenerationConfig(max_new_tokens=N_NEW, max_draft_tokens=3, follow_hint=False)
     sampled = GenerationConfig(
         max_new_tokens=N_NEW,
-        draft_tokens=3,
+        max_draft_tokens=3,
         follow_hint=False,
         seed=1234,
         sampling=SamplingConfig(temperature=0.8),
@@ -168,7 +168,7 @@ class Gateways:
 def test_gateway_killed_and_restarted_on_its_port_is_survived(tiny, tmp_path):
     expected = reference_greedy(tiny.target, PROMPT, N_NEW)
     drafter = OnnxDrafter(tiny.draft_onnx)
-    cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=3, follow_hint=False)
+    cfg = GenerationConfig(max_new_tokens=N_NEW, max_draft_tokens=3, follow_hint=False)
     with TritonServer(tiny.target) as triton:
         gateways = Gateways(triton.url, tiny.target, tmp_path)
 
@@ -200,7 +200,7 @@ def test_link_outage_of_two_seconds_is_survived(cloud, tiny, reset):
 
     expected = reference_greedy(tiny.target, PROMPT, N_NEW)
     drafter = OnnxDrafter(tiny.draft_onnx)
-    cfg = GenerationConfig(max_new_tokens=N_NEW, draft_tokens=3, follow_hint=False)
+    cfg = GenerationConfig(max_new_tokens=N_NEW, max_draft_tokens=3, follow_hint=False)
 
     async def scenario():
         port = int(cloud.address.rsplit(":", 1)[1])

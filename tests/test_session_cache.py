@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 from specsplit.shared.weights.sources import DRAFT_DEFAULT, SOURCES
 from tests.session_cache import session_cache
 

@@ -37,7 +37,7 @@ async function main() {
       drafts,
       token: a.token,
     });
-    out.mode = a['cloud-only'] ? 'cloud-only' : 'split';
+    out.route = a['cloud-only'] ? 'cloud-only' : 'split';
     console.log(JSON.stringify(out));
   } finally {
     client.close();

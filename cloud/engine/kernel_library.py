@@ -39,7 +39,7 @@ from functools import cache
 from pathlib import Path
 
 from specsplit.cloud.engine.kernel_layouts import BACKENDS
-from specsplit.shared.steps import cache_dir, locked
+from specsplit.shared.build_steps import cache_dir, locked
 
 log = logging.getLogger(__name__)
 

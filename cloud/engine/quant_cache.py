@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from specsplit.cloud.engine import kernel_layouts, quantized
-from specsplit.shared.steps import cache_dir, locked
+from specsplit.shared.build_steps import cache_dir, locked
 
 log = logging.getLogger(__name__)
 

@@ -39,14 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specsplit.cloud.capacity import Acceptance, CostModel, block_hint
+from specsplit.cloud.capacity import Acceptance, CostModel, max_draft_tokens_hint
 from specsplit.cloud.engine.kv_slots import Slot
 from specsplit.cloud.engine.precision import check_weights, pick_device
 from specsplit.cloud.engine.ragged import RaggedForward, Segment
-from specsplit.cloud.kv_growth import MAX_BLOCK, default_budget_bytes
+from specsplit.cloud.kv_growth import MAX_DRAFT_TOKENS, default_budget_bytes
 from specsplit.shared.acceptance import (
     RoundResult,
-    VerificationMode,
+    VerificationRule,
     verify_greedy,
     verify_rejection,
     verify_token_only,
@@ -71,7 +71,7 @@ class KVCapacityExceeded(MemoryError):
 @dataclass(frozen=True)
 class SessionParams:
     sampling: SamplingConfig
-    mode: VerificationMode
+    verification: VerificationRule
     seed: int = 0
     speculative: bool = True  # False: a cloud-only session (k = 0 every step)
 
@@ -134,7 +134,7 @@ class PassInfo:
     rows: int = 0
     sessions: int = 0
     ms: float = 0.0
-    block_hint: int = 0
+    max_draft_tokens_hint: int = 0
 
 
 PREFILL_CHUNK = 256  # prefill tokens per forward pass: bounds activation memory for long prompts
@@ -264,7 +264,7 @@ class TargetModel:
         self.forward_passes = 0
         self.cost = CostModel()
         self.acceptance = Acceptance()
-        self.last_pass = PassInfo(block_hint=MAX_BLOCK)
+        self.last_pass = PassInfo(max_draft_tokens_hint=MAX_DRAFT_TOKENS)
         if calibrate:
             self.cost.calibrate(self._timed_pass)
             log.info(
@@ -404,7 +404,7 @@ class TargetModel:
             info = self._after_pass(segments, verifies, ms)
         else:  # prompt rows only: the hint stands, as the next step's pass will not have them
             rows = sum(len(s.tokens) for s in segments)
-            info = PassInfo(rows, len(segments), ms, self.last_pass.block_hint)
+            info = PassInfo(rows, len(segments), ms, self.last_pass.max_draft_tokens_hint)
         for (i, req, session), lg in zip(verifies, logits, strict=False):
             outcomes[i] = self._finish(req, session, lg, ms)
         return info
@@ -494,19 +494,19 @@ class TargetModel:
             self.cost.observe(rows, ms)
         spec = [req for _, req, s in verifies if s.params.speculative]
         spec_rows = sum(len(req.tokens) for req in spec)
-        if spec and spec_rows == len(spec) and self.last_pass.block_hint == 0:
+        if spec and spec_rows == len(spec) and self.last_pass.max_draft_tokens_hint == 0:
             self.acceptance.idle()  # no drafts because the hint forbade them (Acceptance.idle)
         other = [req for _, req, s in verifies if not s.params.speculative]
         # The next pass's other rows: cloud-only steps recur, prefills do not. Counted as fixed
         # rows, a prefill made drafts look nearly free beside it and the pass's hint jumped
         # (45 prompt rows beside 8 sessions: 7 instead of 1, on a compute-bound CPU target).
-        hint = block_hint(
+        hint = max_draft_tokens_hint(
             self.cost,
             spec_sessions=len(spec),
             other_rows=sum(len(req.tokens) for req in other),
             other_tokens=len(other),
             alpha=self.acceptance.rate,
-            k_max=MAX_BLOCK,
+            max_draft_tokens=MAX_DRAFT_TOKENS,
         )
         self.last_pass = PassInfo(rows, len(segments), ms, hint)
         return self.last_pass
@@ -571,14 +571,14 @@ class TargetModel:
             raise ValueError("tokens must hold the last committed token")
         self._check_ids(req.tokens)
         k = len(req.tokens) - 1
-        if session.params.mode is VerificationMode.REJECTION and len(req.q or ()) != k:
-            raise ValueError(f"rejection mode needs q for each of the {k} drafts")
+        if session.params.verification is VerificationRule.REJECTION and len(req.q or ()) != k:
+            raise ValueError(f"the rejection rule needs q for each of the {k} drafts")
         return session
 
     def _accept(self, params, base_len, logits, drafts, q) -> RoundResult:
         # Ids past the tokenizer's (a padded vocabulary) are never emitted: greedy looks only
         # at the others; sampling gives them probability 0 (its draws keep the full width).
-        if params.mode is VerificationMode.GREEDY:
+        if params.verification is VerificationRule.GREEDY:
             return verify_greedy(logits[:, : self.token_count].argmax(dim=-1).cpu().numpy(), drafts)
         if self.token_count < logits.shape[-1]:
             logits = logits.clone()
@@ -588,7 +588,7 @@ class TargetModel:
         # Draws no draft decides share their numbers with the edge's drafting at that position.
         noise = SharedNoise(params.seed, p.shape[-1])
         draw = lambda i, probs: noise.draw(base_len + i, probs)  # noqa: E731
-        if params.mode is VerificationMode.REJECTION:
+        if params.verification is VerificationRule.REJECTION:
             return verify_rejection(p, drafts, q or [], rng, draw)
         return verify_token_only(p, drafts, rng, draw)
 

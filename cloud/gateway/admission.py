@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from specsplit.cloud.kv_growth import (  # noqa: F401 (KVShape re-exported: its users' import)
-    MAX_BLOCK,
+    MAX_DRAFT_TOKENS,
     KVShape,
     slot_positions,
 )
@@ -186,7 +186,7 @@ class Admission:
         kv: KVShape | None = None,
         budget_bytes: int | None = None,
         per_client: int | None = None,
-        max_block: int = MAX_BLOCK,
+        max_draft_tokens: int = MAX_DRAFT_TOKENS,
         max_sessions: int = 64,
         reclaim_after_s: float | None = RECLAIM_AFTER_S,  # None: idle streams never yield
         kv_per_client: int | None = None,  # KV bytes one client's sessions may reserve
@@ -216,7 +216,8 @@ class Admission:
         self._capacity: dict[str, tuple[int, int]] = {}
         # Per replica, as it reported them: (KV capacity, KV bytes every gateway's sessions held)
         self.reported_kv: dict[str, tuple[int, int]] = {}
-        self.max_block = max_block  # a verification block in flight also takes positions
+        # a verification block in flight also takes positions
+        self.max_draft_tokens = max_draft_tokens
         self.max_sessions = max_sessions  # streams at once, admitted or waiting for their Start
         self.reclaim_after_s = reclaim_after_s
         self.reserved_positions = 0  # the admitted sessions' slots, together
@@ -237,10 +238,11 @@ class Admission:
 
     def slot_for(self, committed_len: int) -> int:
         """Positions of the slot the target holds for a session at ``committed_len`` once a
-        verification block (at most ``max_block`` drafts after the last committed token) is in."""
+        verification block (at most ``max_draft_tokens`` drafts after the last committed token) is
+        in."""
         if self.kv is None:
             return 0
-        return slot_positions(committed_len + self.max_block)
+        return slot_positions(committed_len + self.max_draft_tokens)
 
     def observe_kv(self, source: str, bytes_per_token: int | None) -> None:
         """A target's own bytes per KV position (its real dtype), as ``source`` (a replica)
@@ -343,7 +345,7 @@ class Admission:
         if need > whole:  # no hint: waiting cannot help
             raise Refused(
                 f"{what} needs {need / mib:.1f} MiB of KV memory ({committed_len} tokens and a "
-                f"block of {self.max_block}), more than the whole KV budget of "
+                f"block of {self.max_draft_tokens}), more than the whole KV budget of "
                 f"{whole / mib:.1f} MiB; use a shorter prompt or another server",
                 reason=KV_BUDGET,
             )

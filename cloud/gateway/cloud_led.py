@@ -223,7 +223,7 @@ async def cloud_led_rounds(
                 draft, tokens, q = pool.take(session.committed, limit)
             t0 = time.perf_counter()
             round_no = draft.round if draft is not None else 0  # a continuation may come in
-            verdict = await step.verify(tokens, q, t0)
+            verdict = await step.verdict(tokens, q, t0)
             credit[0] = budget
             stepped.set()
             verdict.round = round_no

@@ -29,7 +29,7 @@ async def cloud_only_rounds(step: Round, messages) -> AsyncIterator[pb.Verdict]:
         try:  # the client may stay silent for the whole generation: no idle timeout here
             msg = await next_draft(messages, None)
             if isinstance(msg, pb.Draft):
-                raise ProtocolError(Code.FAILED_PRECONDITION, "draft on a cloud_only stream")
+                raise ProtocolError(Code.FAILED_PRECONDITION, "a Draft in a cloud-only session")
         except ProtocolError as e:
             refused.append(e)
             msg = None
@@ -42,7 +42,7 @@ async def cloud_only_rounds(step: Round, messages) -> AsyncIterator[pb.Verdict]:
             if stop.is_set():
                 session.finish = Finish.CANCELLED
                 break
-            yield await step.verify([], None, time.perf_counter())
+            yield await step.verdict([], None, time.perf_counter())
         if refused:
             raise refused[0]
     finally:

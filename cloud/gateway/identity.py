@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,6 @@ class ModelIdentity:
     name: str
     architecture: str
     limits: ModelLimits
-    tokenizer_digest: str
     tokenizer_fingerprint: str = ""  # shared.tokenizer_fingerprint; "" when not known
     token_count: int = 0  # ids the tokenizer defines; 0 when not known
 
@@ -32,7 +30,6 @@ class ModelIdentity:
             eos = json.loads(gen.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         tok = d / "tokenizer.json"
-        digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.exists() else ""
         fingerprint, count = "", 0
         if tok.exists():
             fingerprint, count = tokenizer_fingerprint(tok), token_count(tok)
@@ -42,7 +39,7 @@ class ModelIdentity:
             eos_token_ids=eos_ids,
         )
         architecture = config.get("model_type", "")
-        return cls(name or d.name, architecture, limits, digest, fingerprint, count)
+        return cls(name or d.name, architecture, limits, fingerprint, count)
 
     def to_pb(self) -> pb.ModelInfo:
         return pb.ModelInfo(
@@ -50,7 +47,6 @@ class ModelIdentity:
             architecture=self.architecture,
             vocab_size=self.limits.vocab_size,
             eos_token_ids=list(self.limits.eos_token_ids),
-            tokenizer_digest=self.tokenizer_digest,
             tokenizer_fingerprint=self.tokenizer_fingerprint,
             token_count=self.token_count,
         )

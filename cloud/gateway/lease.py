@@ -24,10 +24,10 @@ from specsplit.cloud.gateway.replicas import Replica, ReplicaSet
 from specsplit.cloud.gateway.triton_client import (
     MODEL_NAME,
     SessionLost,
+    StepReply,
     TritonRequestError,
     TritonSequence,
     TritonUnavailable,
-    VerifyReply,
 )
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Lease:
         self.opened = False  # a START was (or may have been) sent
         self.moves = 0  # re-opens after a lost session or a failed replica
         self._call_task: asyncio.Future | None = None  # the latest call to Triton
-        self._params: tuple = ()  # sampling, mode, seed, speculative: what a re-open repeats
+        self._params: tuple = ()  # what a re-open repeats: sampling, rule, seed, speculative
 
     @property
     def client(self) -> aioclient.InferenceServerClient:
@@ -64,15 +64,17 @@ class Lease:
         reported at the last (re-)open; None when it did not say (an older model, a fake)."""
         return getattr(self.triton, "kv_bytes_per_token", None)
 
-    async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True) -> None:
-        self._params = (sampling, mode, seed, speculative)
+    async def start(
+        self, prompt, sampling, verification, seed: int, speculative: bool = True
+    ) -> None:
+        self._params = (sampling, verification, seed, speculative)
         try:
             await self._call(self.triton.start(prompt, *self._params), opens=True)
         except TritonUnavailable:
             self.replicas.failed(self.replica)
             await self._recover(prompt, self._failover_deadline(), move=True)
 
-    async def verify(self, committed: Sequence[int], tokens, q=None) -> VerifyReply:
+    async def step(self, committed: Sequence[int], tokens, q=None) -> StepReply:
         """Verifies ``tokens`` (the last committed token, then the drafts) after ``committed``;
         re-opens once when Triton lost the session, and as often as the failover window allows
         when the replica failed. A session lost again right after its re-open raises."""
@@ -80,7 +82,7 @@ class Lease:
         lost = False
         while True:
             try:
-                return await self._call(self.triton.verify(len(committed), tokens, q))
+                return await self._call(self.triton.step(len(committed), tokens, q))
             except SessionLost:
                 if lost:
                     raise

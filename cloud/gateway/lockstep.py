@@ -77,7 +77,7 @@ async def lockstep_rounds(
         if draft.lead:
             yield Handover(lead=PendingDraft(draft.round, draft.base_len, list(draft.tokens), q))
             return
-        verdict = await step.verify(list(draft.tokens), q, t0)
+        verdict = await step.verdict(list(draft.tokens), q, t0)
         verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)
         yield verdict
         if session.finish is not Finish.NONE:

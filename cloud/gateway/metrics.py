@@ -2,7 +2,7 @@
 metrics.
 
 Observed from the protocol itself: ``GatewayMetrics.instrument`` wraps the Generate handler and
-sees each ClientMessage (Start: the stream's mode), each ServerMessage (Verdict: the draft
+sees each ClientMessage (Start: the stream's route), each ServerMessage (Verdict: the draft
 tokens its step verified, accepted tokens, bonus, timings; Finished: the reason) and the status
 the stream ends with.
 
@@ -36,7 +36,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specsplit.shared.protocol import pb, session_mode_of
+from specsplit.shared.protocol import pb
 from specsplit.shared.request_latency import E2E_S, latency_histograms
 from specsplit.shared.session_mode import SessionMode
 from specsplit.shared.spec_counts import StepCounts
@@ -56,7 +56,7 @@ _FINISH[0] = ""
 class _Stream:
     """What one Generate stream has shown so far."""
 
-    mode: str = "none"  # "split" or "cloud-only" once Start arrived
+    route: str = "none"  # "split" or "cloud-only" once Start arrived
     outcome: str = ""  # the finish reason, once Finished is sent
     started_at: float | None = None  # perf_counter at the Start's arrival
     last_token_at: float | None = None  # perf_counter at the last message committing tokens
@@ -153,14 +153,16 @@ class GatewayMetrics:
         self.registry = reg = CollectorRegistry()
         p = PREFIX
         self.sessions_active = Gauge(f"{p}_sessions_active", "open Generate streams", registry=reg)
-        self.sessions = Counter(f"{p}_sessions", "ended streams", ["mode", "outcome"], registry=reg)
-        self.rounds = Counter(f"{p}_rounds", "verification rounds", ["mode"], registry=reg)
+        self.sessions = Counter(
+            f"{p}_sessions", "ended streams", ["route", "outcome"], registry=reg
+        )
+        self.rounds = Counter(f"{p}_rounds", "verification rounds", ["route"], registry=reg)
         self.committed = Counter(
-            f"{p}_tokens_committed", "tokens committed to clients", ["mode"], registry=reg
+            f"{p}_tokens_committed", "tokens committed to clients", ["route"], registry=reg
         )
         spec = f"{p}_spec_decode"
         self.drafts = Counter(f"{spec}_num_drafts", "drafts verified (k > 0)", registry=reg)
-        self.draft_tokens = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
+        self.drafted = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
         self.accepted = Counter(f"{spec}_num_accepted_tokens", "drafts accepted", registry=reg)
         self.emitted = Counter(
             f"{spec}_num_emitted_tokens", "accepted + bonus tokens of drafts", registry=reg
@@ -263,7 +265,7 @@ class GatewayMetrics:
         self.bytes_in.inc(msg.ByteSize())
         kind = msg.WhichOneof("msg")
         if kind == "start":
-            stream.mode = _mode_label(msg.start)
+            stream.route = _route_label(msg.start)
             stream.started_at = time.perf_counter()
             self.prompt_tokens.inc(len(msg.start.prompt_ids))
 
@@ -273,7 +275,7 @@ class GatewayMetrics:
         if kind == "verdict":
             # Read from the Verdict alone, in every mode (a lock-step stream may turn cloud-led
             # mid-way, where Drafts and Verdicts do not pair up).
-            emitted = self.observe_verdict(stream.mode, msg.verdict)
+            emitted = self.observe_verdict(stream.route, msg.verdict)
             if emitted:
                 self._observe_tokens(stream, time.perf_counter())
         elif kind == "finished":
@@ -292,15 +294,15 @@ class GatewayMetrics:
         """A Start admitted ``seconds`` after it arrived (the service's call)."""
         self.queue_time_s.observe(seconds)
 
-    def observe_verdict(self, mode: str, v: pb.Verdict) -> int:
+    def observe_verdict(self, route: str, v: pb.Verdict) -> int:
         """Counts one Verdict; returns the tokens it commits."""
         step = StepCounts.of(v)
-        self.rounds.labels(mode).inc()
-        self.committed.labels(mode).inc(step.emitted)
+        self.rounds.labels(route).inc()
+        self.committed.labels(route).inc(step.emitted)
         self.generation_tokens.inc(step.emitted)
         if step.is_draft:
             self.drafts.inc()
-            self.draft_tokens.inc(step.drafted)
+            self.drafted.inc(step.drafted)
             self.accepted.inc(step.accepted)
             self.emitted.inc(step.emitted)
             self.acceptance_length.observe(step.emitted)
@@ -357,8 +359,8 @@ class GatewayMetrics:
         elif isinstance(code, str):
             outcome = code
         else:  # the client half-closed, before its Start or between rounds
-            outcome = "client_closed" if stream.mode != "none" else "no_start"
-        self.sessions.labels(stream.mode, outcome).inc()
+            outcome = "client_closed" if stream.route != "none" else "no_start"
+        self.sessions.labels(stream.route, outcome).inc()
 
 
 def _code(context, error: BaseException | None) -> grpc.StatusCode | str | None:
@@ -387,9 +389,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Threadin
     return server
 
 
-def _mode_label(start: pb.Start) -> str:
-    try:
-        cloud_only = session_mode_of(start) is SessionMode.CLOUD_ONLY
-    except ValueError:  # refused by the handler: counted as what it asked for first
-        cloud_only = start.cloud_only
+def _route_label(start: pb.Start) -> str:
+    # An unknown session_mode is refused by the handler and counted as split.
+    cloud_only = start.session_mode == pb.SESSION_MODE_CLOUD_ONLY
     return str(SessionMode.CLOUD_ONLY) if cloud_only else "split"

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from specsplit.cloud.capacity import StepTime
 from specsplit.cloud.gateway.lease import Lease
 from specsplit.cloud.gateway.session import Code, Commit, Finish, GatewaySession, ProtocolError
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.protocol import pb, sparse_from_pb
 from specsplit.shared.sampling import SparseDist
 
@@ -51,7 +51,11 @@ class Round:
             exact_base=exact_base,
             continues=draft.continues,
         )
-        return self._parse_q(draft) if self.session.mode is VerificationMode.REJECTION else None
+        return (
+            self._parse_q(draft)
+            if self.session.verification is VerificationRule.REJECTION
+            else None
+        )
 
     def _parse_q(self, draft: pb.Draft) -> list[SparseDist]:
         lim = self.session.limits
@@ -74,7 +78,7 @@ class Round:
             qs.append(q)
         return qs
 
-    async def verify(
+    async def verdict(
         self, drafts: Sequence[int], q: list[SparseDist] | None, t0: float
     ) -> pb.Verdict:
         """One target step verifying ``drafts`` (none: the target's own next token) after the
@@ -84,7 +88,7 @@ class Round:
         # A lost session or a failed replica re-opens from the committed prefix in there.
         with self.working():
             await self.reserve(session.committed_len)
-            reply = await self.lease.verify(session.committed, tokens, q or None)
+            reply = await self.lease.step(session.committed, tokens, q or None)
         commit: Commit = session.commit(drafts, reply.accepted, reply.token)
         self.steps.observe(len(tokens), reply.batch_rows, reply.verify_ms)
         return pb.Verdict(
@@ -101,5 +105,5 @@ class Round:
                 batch_sessions=reply.batch_sessions,
                 batch_rows=reply.batch_rows,
             ),
-            max_draft_tokens_hint=min(reply.block_hint, session.limits.max_draft_tokens),
+            max_draft_tokens_hint=min(reply.max_draft_tokens_hint, session.limits.max_draft_tokens),
         )

@@ -39,7 +39,6 @@ from specsplit.cloud.gateway.handover import Handover
 from specsplit.cloud.gateway.health import update_health, watch_health
 from specsplit.cloud.gateway.identity import ModelIdentity
 from specsplit.cloud.gateway.lease import Lease
-from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.lockstep import lead_after_ms, lockstep_rounds
 from specsplit.cloud.gateway.messages import (
     before_refusing,
@@ -54,6 +53,7 @@ from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.security import Security, bearer_token, client_key
 from specsplit.cloud.gateway.session import Code, GatewaySession, ProtocolError
 from specsplit.cloud.gateway.start import open_session
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.cloud.gateway.triton_client import (
     SessionLost,
     TargetFull,
@@ -62,10 +62,10 @@ from specsplit.cloud.gateway.triton_client import (
     TritonUnavailable,
 )
 from specsplit.shared.protocol import (
-    MODE_TO_PB,
     PROTOCOL_VERSION,
     SERVICE_NAME,
     SESSION_MODE_TO_PB,
+    VERIFICATION_TO_PB,
     pb,
     pb_grpc,
 )
@@ -92,7 +92,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self,
         replicas: ReplicaSet,
         model: ModelIdentity,
-        limits: GatewayLimits | None = None,
+        policy: StreamPolicy | None = None,
         sequence_factory: Callable[
             [aioclient.InferenceServerClient], TritonSequence
         ] = TritonSequence,
@@ -104,7 +104,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.quota_by_token = quota_by_token
         self.sequence_factory = sequence_factory  # tests pass fakes
         self.model = model
-        self.limits = limits or GatewayLimits()
+        self.policy = policy or StreamPolicy()
         self.metrics = GatewayMetrics(replicas)  # observes the protocol around Generate
         self.metrics.watch_admission(self.admission)
         self.gate = RetryGate()  # clients told to retry later, until when (every refusal's hint)
@@ -146,7 +146,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         lease = Lease(self.replicas, self._sequences(client))
         messages, session = _Marked(requests.__aiter__(), ticket), None
         try:
-            first = await next_message(messages, self.limits.start_timeout_s, "Start")
+            first = await next_message(messages, self.policy.start_timeout_s, "Start")
             if first is not None:  # else the client half-closed without a Start
                 with ticket.working():
                     ticket.started = True
@@ -156,7 +156,11 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     await self._reserve(ticket, lease, session.committed_len)
                     self.metrics.observe_queue(time.perf_counter() - t_start)
                     await lease.start(
-                        session.prompt, session.sampling, session.mode, session.seed, mode.drafts
+                        session.prompt,
+                        session.sampling,
+                        session.verification,
+                        session.seed,
+                        mode.drafts,
                     )
                     self._observe_target(lease)
                 started = self._started(session, mode, t_start, first.start.follows_lead)
@@ -192,7 +196,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             ticket.leave()
             self._release(lease, ticket)
         reader = session.reader if session is not None else None  # cloud-led: still reading
-        await until_half_close(requests, self.limits.half_close_grace_s, reader)
+        await until_half_close(requests, self.policy.half_close_grace_s, reader)
 
     async def _refuse(self, context, client: str | None, e: Refused) -> None:
         """Ends a stream with RESOURCE_EXHAUSTED; its client is held to the retry hint."""
@@ -227,7 +231,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             elif mode is SessionMode.CLOUD_LED:
                 rounds = cloud_led_rounds(step, messages, handover)
             else:
-                idle_s = self.limits.idle_timeout_s
+                idle_s = self.policy.idle_timeout_s
                 rounds = lockstep_rounds(step, messages, idle_s, lead_after_s)
             handover = None
             async with contextlib.aclosing(rounds):  # closed with the stream, even mid-loop
@@ -244,7 +248,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
     def _sending(self, ticket: Ticket) -> Iterator[None]:
         """One message out. A client that reads nothing for ``idle_timeout_s`` (gRPC flow
         control holds the send) has its stream ended, like one that writes nothing."""
-        idle_s = self.limits.idle_timeout_s
+        idle_s = self.policy.idle_timeout_s
         stalled = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the client read nothing for {idle_s:g} s")
         timer = asyncio.get_running_loop().call_later(idle_s, ticket.end_stream, *stalled)
         try:
@@ -276,7 +280,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         if client is not None:
             digest = hashlib.blake2b(client.encode(), digest_size=8).digest()
             share = int.from_bytes(digest) >> 1 or 1
-        lease_s = self.limits.idle_timeout_s + LEASE_MARGIN_S
+        lease_s = self.policy.idle_timeout_s + LEASE_MARGIN_S
         factory = self.sequence_factory
 
         def make(triton_client) -> TritonSequence:
@@ -313,12 +317,11 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 max_q_entries=lim.max_q_entries,
             ),
             protocol_version=PROTOCOL_VERSION,
-            verification=MODE_TO_PB[session.mode],
+            verification=VERIFICATION_TO_PB[session.verification],
             committed_len=session.committed_len,
             max_new_tokens=session.max_new_tokens,
             seed=session.seed,
             q_counts=True,
-            cloud_led=mode is SessionMode.CLOUD_LED,
             session_mode=SESSION_MODE_TO_PB[mode],
             accepts_lead=True,
             step_ms=step_ms,
@@ -408,7 +411,7 @@ async def start_gateway(
     model: ModelIdentity,
     host: str = "127.0.0.1",
     port: int = 0,
-    limits: GatewayLimits | None = None,
+    policy: StreamPolicy | None = None,
     security: Security | None = None,
     sequence_factory: Callable[[aioclient.InferenceServerClient], TritonSequence] = TritonSequence,
     failover_wait_s: float = 30.0,
@@ -416,14 +419,14 @@ async def start_gateway(
 ) -> tuple[grpc.aio.Server, int, SpeculativeService]:
     """Starts the gateway in front of one Triton or several (``host:port`` each); returns
     (server, bound port, service). Port 0 picks a free port."""
-    limits, security = limits or GatewayLimits(), security or Security()
+    policy, security = policy or StreamPolicy(), security or Security()
     urls = parse_urls(triton_url) if isinstance(triton_url, str) else list(triton_url)
     replicas = ReplicaSet(urls, failover_wait_s=failover_wait_s)
     service = SpeculativeService(
-        replicas, model, limits, sequence_factory, admission, security.tokens is not None
+        replicas, model, policy, sequence_factory, admission, security.tokens is not None
     )
     interceptors = security.interceptors(on_refused=service.metrics.refused)
-    server = grpc.aio.server(interceptors=interceptors, options=limits.server_options())
+    server = grpc.aio.server(interceptors=interceptors, options=policy.server_options())
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specsplit.cloud.kv_growth import MAX_BLOCK
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.cloud.kv_growth import MAX_DRAFT_TOKENS
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
 
@@ -49,7 +49,7 @@ class Finish(enum.IntEnum):
 class ModelLimits:
     vocab_size: int
     max_context: int
-    max_draft_tokens: int = MAX_BLOCK
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
     max_q_entries: int = 64
     eos_token_ids: tuple[int, ...] = ()
 
@@ -78,7 +78,7 @@ class GatewaySession:
     limits: ModelLimits
     prompt: list[int]
     sampling: SamplingConfig
-    mode: VerificationMode
+    verification: VerificationRule
     seed: int
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
@@ -142,14 +142,15 @@ class GatewaySession:
                 f"{self.limits.max_draft_tokens}",
             )
         check_ids(tokens, self.limits.vocab_size, "draft")
-        if self.mode is VerificationMode.REJECTION and n_q != len(tokens):
+        if self.verification is VerificationRule.REJECTION and n_q != len(tokens):
             raise ProtocolError(
                 Code.INVALID_ARGUMENT,
-                f"rejection mode needs q for every draft token ({n_q} for {len(tokens)})",
+                f"the rejection rule needs q for every draft token ({n_q} for {len(tokens)})",
             )
-        if self.mode is not VerificationMode.REJECTION and n_q:
+        if self.verification is not VerificationRule.REJECTION and n_q:
             raise ProtocolError(
-                Code.INVALID_ARGUMENT, f"q is only sent in rejection mode (mode {self.mode.name})"
+                Code.INVALID_ARGUMENT,
+                f"q is only sent under the rejection rule (rule {self.verification.name})",
             )
 
     def commit(self, drafts: Sequence[int], accepted: int, token: int) -> Commit:

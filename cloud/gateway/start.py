@@ -9,9 +9,9 @@ import secrets
 
 from specsplit.cloud.gateway.identity import ModelIdentity
 from specsplit.cloud.gateway.session import Code, GatewaySession, ProtocolError, check_ids
-from specsplit.shared.acceptance import resolve_mode
+from specsplit.shared.acceptance import resolve_verification
 from specsplit.shared.protocol import (
-    PB_TO_MODE,
+    PB_TO_VERIFICATION,
     PROTOCOL_VERSION,
     pb,
     session_mode_of,
@@ -64,21 +64,21 @@ def open_session(
         )
     if start.sampling.max_new_tokens < 1:
         raise ProtocolError(Code.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
-    requested = PB_TO_MODE.get(start.verification)
-    if requested is None and start.verification != pb.VERIFICATION_MODE_UNSPECIFIED:
+    requested = PB_TO_VERIFICATION.get(start.verification)
+    if requested is None and start.verification != pb.VERIFICATION_RULE_UNSPECIFIED:
         raise ProtocolError(
-            Code.INVALID_ARGUMENT, f"unknown verification mode {start.verification}"
+            Code.INVALID_ARGUMENT, f"unknown verification rule {start.verification}"
         )
     sampling = sampling_config(start.sampling, limits.vocab_size)
     try:
-        mode = resolve_mode(requested, sampling.temperature, has_q=True)
+        verification = resolve_verification(requested, sampling.temperature, has_q=True)
     except ValueError as e:
         raise ProtocolError(Code.INVALID_ARGUMENT, str(e)) from None
     session = GatewaySession(
         limits=limits,
         prompt=prompt,
         sampling=sampling,
-        mode=mode,
+        verification=verification,
         # Absent: a fresh random seed per request, returned in Started.
         seed=start.sampling.seed if start.sampling.HasField("seed") else secrets.randbits(63),
         max_new_tokens=min(start.sampling.max_new_tokens, limits.max_context - len(prompt)),

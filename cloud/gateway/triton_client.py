@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 MODEL_NAME = "target"
@@ -29,7 +29,7 @@ _OUTPUTS = (
     "CACHE_LEN",
     "BATCH_ROWS",
     "BATCH_SESSIONS",
-    "BLOCK_HINT",
+    "MAX_DRAFT_TOKENS_HINT",
 )
 # Random base: a restarted gateway never reuses a live sequence id.
 _sequence_ids = itertools.count(secrets.randbits(62) + 1)
@@ -53,14 +53,14 @@ class TargetFull(TritonRequestError):
 
 
 @dataclass(frozen=True)
-class VerifyReply:
+class StepReply:
     accepted: int
     token: int
     verify_ms: float  # the model's forward pass + acceptance
     roundtrip_ms: float  # gateway -> Triton -> gateway
     batch_rows: int = 0  # rows of the forward pass that served it (all sessions together)
     batch_sessions: int = 0  # sessions in that pass
-    block_hint: int = 0  # the largest draft block the cloud wants now
+    max_draft_tokens_hint: int = 0  # the largest draft block the cloud wants now
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -159,7 +159,7 @@ class TritonSequence:
         self,
         prompt: Sequence[int],
         sampling: SamplingConfig,
-        mode: VerificationMode,
+        verification: VerificationRule,
         seed: int,
         speculative: bool = True,
     ) -> None:
@@ -169,7 +169,7 @@ class TritonSequence:
             _tensor("TOP_K", np.array([[sampling.top_k]], np.int32), "INT32"),
             _tensor("TOP_P", np.array([[sampling.top_p]], np.float32), "FP32"),
             _tensor("SEED", np.array([[seed]], np.uint64), "UINT64"),
-            _tensor("MODE", np.array([[int(mode)]], np.int32), "INT32"),
+            _tensor("VERIFICATION", np.array([[int(verification)]], np.int32), "INT32"),
             _tensor("SPECULATIVE", np.array([[int(speculative)]], np.int32), "INT32"),
         ]
         if self.client_share:
@@ -183,9 +183,9 @@ class TritonSequence:
         self.kv_capacity = _optional(result, "KV_CAPACITY")
         self.kv_held = _optional(result, "KV_HELD")
 
-    async def verify(
+    async def step(
         self, base_len: int, tokens: Sequence[int], q: Sequence[SparseDist] | None = None
-    ) -> VerifyReply:
+    ) -> StepReply:
         """tokens: the last committed token, then d_1..d_k."""
         inputs = [
             _tensor("TOKENS", np.asarray([tokens], dtype=np.int64), "INT64"),
@@ -195,21 +195,21 @@ class TritonSequence:
             inputs += _q_tensors(q)
         t0 = time.perf_counter()
         result = await self._call(inputs)
-        return VerifyReply(
+        return StepReply(
             accepted=_int(result, "ACCEPTED"),
             token=_int(result, "TOKEN"),
             verify_ms=float(result.as_numpy("VERIFY_MS").reshape(-1)[0]),
             roundtrip_ms=(time.perf_counter() - t0) * 1e3,
             batch_rows=_int(result, "BATCH_ROWS"),
             batch_sessions=_int(result, "BATCH_SESSIONS"),
-            block_hint=_int(result, "BLOCK_HINT"),
+            max_draft_tokens_hint=_int(result, "MAX_DRAFT_TOKENS_HINT"),
         )
 
-    async def reopen(self, prompt: Sequence[int], sampling, mode, seed) -> None:
+    async def reopen(self, prompt: Sequence[int], sampling, verification, seed) -> None:
         """A fresh sequence holding ``prompt`` (the committed prefix) after SessionLost."""
         self.sequence_id = next(_sequence_ids)
         self._open = False
-        await self.start(prompt, sampling, mode, seed, self.speculative)
+        await self.start(prompt, sampling, verification, seed, self.speculative)
 
     async def close(self) -> None:
         """Frees the session's KV cache in Triton and ends the stream. Never raises."""

@@ -37,13 +37,13 @@ async def triton_infers(url: str, timeout_s: float) -> None:
     import tritonclient.grpc.aio as aioclient
 
     from specsplit.cloud.gateway.triton_client import TritonSequence
-    from specsplit.shared.acceptance import VerificationMode
+    from specsplit.shared.acceptance import VerificationRule
     from specsplit.shared.sampling import SamplingConfig
 
     client = aioclient.InferenceServerClient(url)
     sequence = TritonSequence(client)
     try:
-        start = sequence.start(PROBE_PROMPT, SamplingConfig(), VerificationMode.GREEDY, seed=0)
+        start = sequence.start(PROBE_PROMPT, SamplingConfig(), VerificationRule.GREEDY, seed=0)
         await asyncio.wait_for(start, timeout_s)
     except asyncio.TimeoutError:
         raise ProbeFailed(f"the target at {url} did not answer within {timeout_s:g} s") from None

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.shared.steps import install_hint
+from specsplit.shared.build_steps import install_hint
 
 log = logging.getLogger(__name__)
 _STARTING = threading.Lock()

@@ -15,7 +15,7 @@ from specsplit.edge.models import (
     export_dir,
     find_draft_onnx,
 )
-from specsplit.shared.steps import require_extra, spinner
+from specsplit.shared.build_steps import require_extra, spinner
 from specsplit.shared.weights.sources import SOURCES, ensure_hf_dir, resolve_model
 
 

@@ -29,12 +29,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
+from specsplit.edge.client import SERVE_ROUTES, GenerationConfig, SpecsplitError, SplitClient
 from specsplit.edge.openai.health import HealthProbe
 from specsplit.edge.openai.hosts import HostAllowList, HostPolicy
-from specsplit.edge.openai.limits import MAX_BODY_BYTES, MAX_WAITING, RequestLimits
 from specsplit.edge.openai.metrics import EdgeMetrics, speculative_decoding
 from specsplit.edge.openai.pool import ClientPool, Run
+from specsplit.edge.openai.request_guard import MAX_BODY_BYTES, MAX_WAITING, RequestGuard
 from specsplit.edge.openai.responses import Reply, finish_reason, speculation, sse, usage
 from specsplit.edge.openai.schema import (
     APIError,
@@ -49,7 +49,6 @@ from specsplit.edge.text import TextCodec
 
 log = logging.getLogger(__name__)
 
-SERVE_MODES = ("split", "cloud-only")
 
 # The cloud's status -> (HTTP status, OpenAI error type, code). Others: 502, the cloud failed.
 STATUS = {
@@ -66,7 +65,7 @@ class ServeConfig:
     server: str  # the gateway, HOST:PORT
     draft_dir: Path  # the ONNX draft export; its tokenizer and chat template serve the text
     model_name: str  # what /v1/models lists and responses name
-    mode: str = "split"
+    route: str = "split"  # edge.client.SERVE_ROUTES
     concurrency: int = 4  # generations at once, each with its own drafter; more requests wait
     generation: GenerationConfig = GenerationConfig()  # k, retry window, target model name
     threads: int | None = None  # ONNX Runtime intra-op threads per drafter
@@ -75,7 +74,7 @@ class ServeConfig:
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
     allowed_hosts: tuple[str, ...] = ()  # Host names answered beyond loopback (edge.openai.hosts)
     bound_host: str | None = None  # the address or name the server listens on (also allowed)
-    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai.limits)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies: 413 (edge.openai.request_guard)
     max_waiting: int = MAX_WAITING  # requests waiting for a slot; more at once: 429
     send_timeout_s: float = 60.0  # a stream its client does not read for this long is ended
 
@@ -132,14 +131,14 @@ class Endpoint:
     """The routes' work: plans in, generations on the pool, OpenAI JSON out."""
 
     def __init__(self, cfg: ServeConfig):
-        if cfg.mode not in SERVE_MODES:
-            raise ValueError(f"mode must be one of {SERVE_MODES}, got {cfg.mode!r}")
+        if cfg.route not in SERVE_ROUTES:
+            raise ValueError(f"route must be one of {SERVE_ROUTES}, got {cfg.route!r}")
         if cfg.max_body_bytes < 1 or cfg.max_waiting < 0 or not cfg.send_timeout_s > 0:
             raise ValueError("max_body_bytes must be >= 1, max_waiting >= 0, send_timeout_s > 0")
         self.cfg = cfg
         self.codec = TextCodec(cfg.draft_dir)
         make_drafter = None
-        if cfg.mode == "split":
+        if cfg.route == "split":
             from specsplit.edge.onnx_drafter import OnnxDrafter
 
             def make_drafter():
@@ -154,7 +153,7 @@ class Endpoint:
         client = await self.pool.acquire()
         run = None
         try:
-            run = Run(client, plan, self.cfg.mode)
+            run = Run(client, plan, self.cfg.route)
             run.taken = taken
             self.metrics.running.inc()
             first = await run.next()  # the cloud's errors at Start become HTTP statuses
@@ -228,7 +227,7 @@ class Endpoint:
         s = run.gen.stats
         log.info(
             "%s: %d prompt + %d tokens, %.1f tok/s, acceptance %.2f, %.2f tokens/round, %s",
-            s.mode,
+            s.route,
             len(plan.prompt_ids),
             len(text.ids),
             s.tokens_per_s,
@@ -321,8 +320,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     _answer_errors_as_openai(app)
     # Added before the API key check, so that one runs first (the last added is outermost).
-    limits = dict(max_body_bytes=cfg.max_body_bytes, max_requests=cfg.concurrency + cfg.max_waiting)
-    app.add_middleware(RequestLimits, **limits)
+    guard = dict(max_body_bytes=cfg.max_body_bytes, max_requests=cfg.concurrency + cfg.max_waiting)
+    app.add_middleware(RequestGuard, **guard)
     if cfg.api_key:
         _require_api_key(app, cfg.api_key)
     # Last added, so outermost: a rebound name gets nothing else, not even a 401 or 429.

@@ -62,7 +62,7 @@ class EdgeMetrics:
         )
         spec = f"{p}_spec_decode"
         self.drafts = Counter(f"{spec}_num_drafts", "drafts verified (k > 0)", registry=reg)
-        self.draft_tokens = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
+        self.drafted = Counter(f"{spec}_num_draft_tokens", "tokens drafted", registry=reg)
         self.accepted = Counter(f"{spec}_num_accepted_tokens", "drafts accepted", registry=reg)
         self.accepted_per_pos = Counter(
             f"{spec}_num_accepted_tokens_per_pos",
@@ -92,7 +92,7 @@ class EdgeMetrics:
         self.success.labels(finish).inc()
         spec = speculative_decoding(stats)
         self.drafts.inc(spec["num_drafts"])
-        self.draft_tokens.inc(spec["num_draft_tokens"])
+        self.drafted.inc(spec["num_draft_tokens"])
         self.accepted.inc(spec["num_accepted_tokens"])
         for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
             self.accepted_per_pos.labels(str(pos)).inc(n)

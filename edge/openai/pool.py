@@ -73,8 +73,8 @@ class Run:
     collection.)
     """
 
-    def __init__(self, client: SplitClient, plan: RequestPlan, mode: str):
-        self.gen: Generation = client.generate(plan.prompt_ids, plan.config, mode)
+    def __init__(self, client: SplitClient, plan: RequestPlan, route: str):
+        self.gen: Generation = client.generate(plan.prompt_ids, plan.config, route)
         # perf_counter seconds: the request taken (the endpoint sets it), the generation begun
         # (its statistics' times count from here, give or take the task's first step)
         self.taken = self.began = time.perf_counter()

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.shared.steps import cache_dir, locked, require_extra
+from specsplit.shared.build_steps import cache_dir, locked, require_extra
 from specsplit.shared.weights import sources
 
 MAGIC = b"GGUF"  # every GGUF file's first four bytes (the format's magic)

@@ -41,7 +41,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from specsplit.shared.steps import (
+from specsplit.shared.build_steps import (
     byte_progress,
     cache_dir,
     locked,

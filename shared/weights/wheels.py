@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.shared.steps import cache_dir, progress_bar
+from specsplit.shared.build_steps import cache_dir, progress_bar
 
 logger = logging.getLogger(__name__)
 

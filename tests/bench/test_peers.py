@@ -529,7 +529,7 @@ def test_a_cold_client_is_the_cli_with_its_default_flags():
 
     cmd = cli_command("h:1", Row("specsplit", "split", BOTH, cold=True), [1, 2], 16)
     assert Path(cmd[0]).name == "specsplit-edge"
-    assert cmd[1:] == ["generate", "--server", "h:1", "--mode", "split", "--prompt-ids", "1,2"] + [
+    assert cmd[1:] == ["generate", "--server", "h:1", "--route", "split", "--prompt-ids", "1,2"] + [
         "--max-new-tokens", "16", "--json",
     ]  # fmt: skip
 

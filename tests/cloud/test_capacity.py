@@ -6,8 +6,8 @@ from specsplit.cloud.capacity import (
     Acceptance,
     CostModel,
     StepTime,
-    block_hint,
     expected_tokens,
+    max_draft_tokens_hint,
 )
 
 
@@ -35,21 +35,21 @@ def test_one_stalled_pass_does_not_move_the_curve():
 
 def test_flat_cost_hints_the_largest_block():
     cost = curve(lambda r: 100.0)
-    assert block_hint(cost, 32, 0, 0, alpha=0.7, k_max=16) == 16
+    assert max_draft_tokens_hint(cost, 32, 0, 0, alpha=0.7, max_draft_tokens=16) == 16
 
 
 def test_compute_bound_batch_gets_shorter_blocks():
     cost = curve(lambda r: 20 + 4 * r)
-    one = block_hint(cost, 1, 0, 0, alpha=0.8, k_max=16)
-    many = block_hint(cost, 32, 0, 0, alpha=0.8, k_max=16)
+    one = max_draft_tokens_hint(cost, 1, 0, 0, alpha=0.8, max_draft_tokens=16)
+    many = max_draft_tokens_hint(cost, 32, 0, 0, alpha=0.8, max_draft_tokens=16)
     assert many < one
     # Low acceptance shortens blocks further: each extra draft is less likely to pay.
-    assert block_hint(cost, 32, 0, 0, alpha=0.3, k_max=16) <= many
+    assert max_draft_tokens_hint(cost, 32, 0, 0, alpha=0.3, max_draft_tokens=16) <= many
 
 
 def test_hint_is_never_worse_than_no_speculation():
     cost = curve(lambda r: r)  # purely compute-bound: every row costs the same
-    k = block_hint(cost, 8, 0, 0, alpha=0.5, k_max=8)
+    k = max_draft_tokens_hint(cost, 8, 0, 0, alpha=0.5, max_draft_tokens=8)
     rate = lambda k: 8 * expected_tokens(0.5, k) / cost.cost(8 * (k + 1))  # noqa: E731
     assert rate(k) >= 0.95 * max(rate(j) for j in range(9))
     assert rate(k) >= 0.95 * rate(0)
@@ -65,7 +65,7 @@ def test_a_stale_stall_does_not_stop_drafting_for_good():
             cost.observe(r, 5000.0)
     hints = []
     for _ in range(120):  # the hint forbids drafting, so only one-row passes run
-        hints.append(block_hint(cost, 1, 0, 0, alpha=0.7, k_max=16))
+        hints.append(max_draft_tokens_hint(cost, 1, 0, 0, alpha=0.7, max_draft_tokens=16))
         cost.observe(1 + hints[-1], 100.0 if hints[-1] == 0 else 90.0)
     assert hints[0] == 0
     # Probes came, one per stale period: the first one's quick pass began to mend the median.
@@ -73,7 +73,7 @@ def test_a_stale_stall_does_not_stop_drafting_for_good():
     for _ in range(15):  # the stall is over: passes of any size are cheap again
         for r in (4, 16, 64):
             cost.observe(r, 100.0)
-    assert block_hint(cost, 1, 0, 0, alpha=0.7, k_max=16) == 16
+    assert max_draft_tokens_hint(cost, 1, 0, 0, alpha=0.7, max_draft_tokens=16) == 16
 
 
 def test_acceptance_estimate_follows_rounds():
@@ -136,9 +136,9 @@ def test_hint_of_no_drafts_does_not_last_for_good():
     acc = Acceptance()
     for _ in range(15):
         acc.observe(0, 4)  # blocks rejected outright, one after another
-    hints = [block_hint(cost, 1, 0, 0, acc.rate, k_max=16)]
+    hints = [max_draft_tokens_hint(cost, 1, 0, 0, acc.rate, max_draft_tokens=16)]
     while hints[-1] == 0 and len(hints) < 50:
         acc.idle()  # the pass the hint asked for: this session drafted nothing
-        hints.append(block_hint(cost, 1, 0, 0, acc.rate, k_max=16))
+        hints.append(max_draft_tokens_hint(cost, 1, 0, 0, acc.rate, max_draft_tokens=16))
     assert hints[0] == 0
     assert 1 < len(hints) <= 6 and hints[-1] > 0

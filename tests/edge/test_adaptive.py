@@ -5,11 +5,13 @@ import numpy as np
 from specsplit.edge.adaptive import DraftLength
 
 
-def _trained(alpha: float, draft_ms: float, verify_ms: float, fixed_ms: float, k_max=8, n=400):
-    chooser = DraftLength(k_max)
+def _trained(
+    alpha: float, draft_ms: float, verify_ms: float, fixed_ms: float, max_draft_tokens=8, n=400
+):
+    chooser = DraftLength(max_draft_tokens)
     rng = np.random.default_rng(0)
     for i in range(n):
-        k = 1 + i % k_max  # every block size seen, as a session would over time
+        k = 1 + i % max_draft_tokens  # every block size seen, as a session would over time
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
@@ -53,14 +55,14 @@ def test_the_cloud_hint_caps_k():
 def test_cloud_led_reach_covers_the_lag_plus_useful_positions():
     from specsplit.edge.cloud_led import _Reach
 
-    reach = _Reach(k_max=4, limit=16)
-    assert reach.want(hint=4) == 4  # before anything is measured: k_max
+    reach = _Reach(max_draft_tokens=4, limit=16)
+    assert reach.want(hint=4) == 4  # before anything is measured: max_draft_tokens
     for _ in range(50):
         reach.observe(offset=3, verified=4, accepted=4)  # the cloud is 3 ahead; all accepted
     assert reach.want(hint=4) == 3 + 2 * 4
     assert reach.want(hint=2) == 3 + 2 * 2  # the cloud's hint caps what is verified per step
-    assert _Reach(k_max=8, limit=16).want(hint=8) == 8
-    poor = _Reach(k_max=8, limit=16)
+    assert _Reach(max_draft_tokens=8, limit=16).want(hint=8) == 8
+    poor = _Reach(max_draft_tokens=8, limit=16)
     for _ in range(50):
         poor.observe(offset=0, verified=4, accepted=0)  # nothing ever accepted
     assert poor.want(hint=8) == 2
@@ -72,13 +74,15 @@ def test_cloud_led_reach_after_a_lead_block_extends_past_it():
     from specsplit.edge.adaptive import DraftLength
     from specsplit.edge.cloud_led import _Reach
 
-    assert _Reach(k_max=8, limit=16, sent=8).want(hint=8) == 16  # nothing measured yet
-    assert _Reach(k_max=8, limit=12, sent=8).want(hint=8) == 12  # never past the server's limit
+    assert _Reach(max_draft_tokens=8, limit=16, sent=8).want(hint=8) == 16  # nothing measured yet
+    assert (
+        _Reach(max_draft_tokens=8, limit=12, sent=8).want(hint=8) == 12
+    )  # never past the server's limit
     measured = DraftLength(8)
     for _ in range(3):
         measured.observe(8, 8, 300.0)  # lock-step rounds: every draft accepted
-    assert _Reach(k_max=8, limit=16, acceptance=measured, sent=8).want(hint=8) == 16
-    reach = _Reach(k_max=8, limit=16, sent=8)
+    assert _Reach(max_draft_tokens=8, limit=16, acceptance=measured, sent=8).want(hint=8) == 16
+    reach = _Reach(max_draft_tokens=8, limit=16, sent=8)
     reach.observe(offset=0, verified=0, accepted=0)  # a verdict came: the usual rule from now
     assert reach.want(hint=8) == 8
 

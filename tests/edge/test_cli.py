@@ -33,9 +33,9 @@ def test_generate_json(cloud, tiny, mode):
         "1,2,3,4,5",
         "--max-new-tokens",
         "12",
-        "--draft-tokens",
+        "--max-draft-tokens",
         "3",
-        "--mode",
+        "--route",
         mode,
         "--json",
     )
@@ -53,10 +53,10 @@ def test_generate_json(cloud, tiny, mode):
         "tokens_per_round",
         "wall_s",
         "tokens_per_s",
-        "mode",
+        "route",
     ):
         assert key in out
-    assert out["mode"] == mode and out["new_tokens"] == 12
+    assert out["route"] == mode and out["new_tokens"] == 12
 
 
 def test_export_writes_a_loadable_draft(tiny, tmp_path):
@@ -72,7 +72,7 @@ def test_bad_arguments_give_clear_errors(cloud, tiny):
         "generate",
         "--server",
         cloud.address,
-        "--mode",
+        "--route",
         "cloud-only",
         "--prompt-ids",
         "1,99999",
@@ -88,7 +88,7 @@ def test_bad_arguments_give_clear_errors(cloud, tiny):
         "1,99999",
     )
     assert r.returncode == 2 and "outside the draft's vocabulary" in r.stderr
-    r = edge("generate", "--mode", "cloud-only", "--prompt-ids", "1,x")
+    r = edge("generate", "--route", "cloud-only", "--prompt-ids", "1,x")
     assert r.returncode != 0 and "comma-separated integers" in r.stderr
 
 
@@ -100,7 +100,7 @@ def test_generate_without_draft_uses_the_cached_default_draft(tiny, tmp_path, mo
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
     default = export_dir(SOURCES[DEFAULT_DRAFT], DEFAULT_PRECISION)
     shutil.copytree(tiny.draft_onnx, default)
-    args = ("generate", "--mode", "edge-only", "--prompt-ids", "1,2,3", "--max-new-tokens", "6")
+    args = ("generate", "--route", "edge-only", "--prompt-ids", "1,2,3", "--max-new-tokens", "6")
     r = subprocess.run(
         [EDGE, *args, "--json"], capture_output=True, text=True, timeout=120, env=os.environ
     )
@@ -130,6 +130,6 @@ def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_
     r = edge(*args)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["led_at_start"] and out["mode"] == "split"
+    assert out["led_at_start"] and out["route"] == "split"
     assert out["token_ids"] == reference_greedy(tiny.target, [1, 2, 3, 4, 5], 12)
     assert load_link(cloud.address).led  # renewed by the second run

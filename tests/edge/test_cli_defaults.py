@@ -22,7 +22,7 @@ def test_serve_generate_and_the_api_draft_the_same_k_by_default(monkeypatch, tmp
     monkeypatch.setattr(cli, "_generate", generate)
     cli.main(["serve"])
     cli.main(["generate", "--prompt-ids", "1,2"])
-    k = GenerationConfig().draft_tokens
-    assert served[0].generation.draft_tokens == k  # what the OpenAI pool's requests draft
-    assert generated[0].draft_tokens == k
-    assert ServeConfig("a", tmp_path, "m").generation.draft_tokens == k
+    k = GenerationConfig().max_draft_tokens
+    assert served[0].generation.max_draft_tokens == k  # what the OpenAI pool's requests draft
+    assert generated[0].max_draft_tokens == k
+    assert ServeConfig("a", tmp_path, "m").generation.max_draft_tokens == k

@@ -29,7 +29,7 @@ def test_an_edge_started_before_its_cloud_says_what_it_waits_for():
     """Nobody listens at --server: the edge says at once that it waits for `specsplit-cloud
     serve` there and what to check, then fails with a message naming --server."""
     server = f"127.0.0.1:{_unused_port()}"
-    args = ["generate", "--server", server, "--mode", "cloud-only", "--prompt-ids", "1,2"]
+    args = ["generate", "--server", server, "--route", "cloud-only", "--prompt-ids", "1,2"]
     r = subprocess.run(
         [EDGE, *args, "--retry-window", "1"], capture_output=True, text=True, timeout=120
     )
@@ -44,7 +44,7 @@ def test_an_edge_started_before_its_cloud_says_what_it_waits_for():
 @pytest.mark.slow
 def test_an_edge_started_before_its_cloud_generates_once_the_cloud_is_ready(tiny, tmp_path):
     port = _unused_port()
-    args = ["generate", "--server", f"127.0.0.1:{port}", "--mode", "cloud-only", "--json"]
+    args = ["generate", "--server", f"127.0.0.1:{port}", "--route", "cloud-only", "--json"]
     args += ["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--retry-window", "600"]
     edge = subprocess.Popen(
         [EDGE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -64,7 +64,7 @@ def test_an_edge_started_before_its_cloud_generates_once_the_cloud_is_ready(tiny
 @pytest.mark.slow
 def test_a_tls_mismatch_is_reported_not_waited_out(cloud):
     """TLS to the plaintext test cloud: the handshake fails, which waiting cannot mend."""
-    args = ["generate", "--server", cloud.address, "--tls", "--mode", "cloud-only"]
+    args = ["generate", "--server", cloud.address, "--tls", "--route", "cloud-only"]
     r = subprocess.run(
         [EDGE, *args, "--prompt-ids", "1,2", "--retry-window", "600"],
         capture_output=True,

@@ -18,7 +18,7 @@ def test_cancel_leaves_the_drafter_idle():
 
     async def run() -> tuple[int, int, int]:
         async with gateway() as address, SplitClient(address, drafter) as client:
-            cfg = GenerationConfig(max_new_tokens=50, draft_tokens=4)
+            cfg = GenerationConfig(max_new_tokens=50, max_draft_tokens=4)
             task = asyncio.create_task(client.generate([1, 2, 3], cfg).collect())
             while not drafter.worker_seen.is_set():
                 await asyncio.sleep(0.005)
@@ -46,7 +46,10 @@ def test_drafting_never_blocks_the_event_loop():
             results = []
             for draft_ahead in (True, False):
                 cfg = GenerationConfig(
-                    max_new_tokens=24, draft_tokens=3, follow_hint=False, draft_ahead=draft_ahead
+                    max_new_tokens=24,
+                    max_draft_tokens=3,
+                    follow_hint=False,
+                    draft_ahead=draft_ahead,
                 )
                 results.append(await client.generate([1, 2, 3], cfg).collect())
             return results
@@ -68,8 +71,8 @@ def test_a_prompt_past_the_drafts_limit_is_refused_before_any_work():
             with pytest.raises(ValueError, match="prompt of 8 tokens: the draft runs at most 8"):
                 client.generate([1] * 8, cfg)
             with pytest.raises(ValueError, match="prompt of 9 tokens"):
-                client.generate([1] * 9, cfg, mode="edge-only")
-            client.generate([1] * 9, cfg, mode="cloud-only")  # lazy: nothing sent yet
+                client.generate([1] * 9, cfg, route="edge-only")
+            client.generate([1] * 9, cfg, route="cloud-only")  # lazy: nothing sent yet
             client.generate([1] * 7, cfg)
 
     asyncio.run(run())

@@ -13,9 +13,9 @@ from tests.fakes import gateway
 class SlowRuleTarget(RuleTarget):
     """Each pass takes 20 ms: ten of the drafter's tokens, so drafts reach the cloud in time."""
 
-    async def verify(self, base_len, tokens, q=None):
+    async def step(self, base_len, tokens, q=None):
         await asyncio.sleep(0.018)
-        return await super().verify(base_len, tokens, q)
+        return await super().step(base_len, tokens, q)
 
 
 def test_passes_after_a_correction_are_counted_and_the_output_is_the_targets():
@@ -43,7 +43,7 @@ def test_drafting_pauses_once_the_cloud_dropped_every_draft_as_stale():
     from specsplit.edge.cloud_led import PAUSE_STALE, PAUSE_VERDICTS, _pause
     from specsplit.edge.generation import GenerationStats
 
-    stats = GenerationStats(mode="split")
+    stats = GenerationStats(route="split")
     assert _pause(stats, 0, PAUSE_STALE - 1) == 0
     assert _pause(stats, 0, PAUSE_STALE) == PAUSE_VERDICTS
     assert _pause(stats, 5, PAUSE_STALE) == 4  # paused: counts down

@@ -60,8 +60,8 @@ async def gateway_and_link(rtt_ms: float):
 
 
 def test_a_round_trip_of_more_steps_than_the_speculation_reaches_drafts_nothing():
-    # 400 ms of round trip: 20 target steps, past the k_max = 8 positions a speculation reaches
-    # before any Draft was verified (and the 16 a Draft may hold)
+    # 400 ms of round trip: 20 target steps, past the max_draft_tokens = 8 positions a
+    # speculation reaches before any Draft was verified (and the 16 a Draft may hold)
     gen = _run(rtt_ms=400.0)
     s = gen.stats
     assert gen.token_ids == expected(N_NEW)
@@ -103,9 +103,9 @@ def test_an_unknown_round_trip_or_step_reaches_as_before():
 
 
 @pytest.mark.parametrize(("rtt_ms", "out"), [(300.0, False), (350.0, False), (400.0, True)])
-def test_before_any_draft_was_verified_the_speculation_reaches_k_max(rtt_ms, out):
-    """No acceptance measured (a stream that started cloud-led): k_max positions, not the few
-    the prior alone would give (0.6 ** 5 < MIN_REACH)."""
+def test_before_any_draft_was_verified_the_speculation_reaches_max_draft_tokens(rtt_ms, out):
+    """No acceptance measured (a stream that started cloud-led): max_draft_tokens positions, not
+    the few the prior alone would give (0.6 ** 5 < MIN_REACH)."""
     reach = _Reach(8, 16, rtt_ms=rtt_ms, step_ms=50.0)
     assert reach.reachable() == 8 and reach.out_of_reach() is out
 

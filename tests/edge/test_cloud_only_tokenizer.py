@@ -42,7 +42,7 @@ def save_tokenizer(d):
 
 
 def args(*argv: str):
-    return cli._parser().parse_args(["generate", "--mode", "cloud-only", *argv])
+    return cli._parser().parse_args(["generate", "--route", "cloud-only", *argv])
 
 
 def test_token_ids_need_no_draft(cache, exports):
@@ -119,7 +119,7 @@ def test_without_transformers_a_cached_gguf_says_what_to_give_instead(
 ):
     gguf = place_gguf(cache)
     monkeypatch.setattr(gguf_tokenizer, "_installed", lambda m: m != "transformers")
-    assert cli.main(["generate", "--mode", "cloud-only", "--prompt", "hello"]) == 2
+    assert cli.main(["generate", "--route", "cloud-only", "--prompt", "hello"]) == 2
     err = capsys.readouterr().err
     assert str(gguf) in err and "transformers" in err and "'.[export]'" in err, err
     assert "--prompt-ids" in err and "Traceback" not in err

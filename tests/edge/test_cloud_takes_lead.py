@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.edge.client import GenerationConfig, SplitClient
 from tests.fakes import VOCAB, FakeTriton, SlowDrafter, gateway
 
@@ -26,13 +26,13 @@ def target(prev: int) -> int:
 class RuleTarget(FakeTriton):
     """Accepts the leading drafts that follow ``target`` and answers its next token."""
 
-    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
+    async def step(self, base_len: int, tokens: Sequence[int], q=None) -> StepReply:
         await asyncio.sleep(0.002)
         accepted = 0
         while accepted + 1 < len(tokens) and tokens[accepted + 1] == target(tokens[accepted]):
             accepted += 1
         nxt = target(tokens[accepted])
-        return VerifyReply(accepted=accepted, token=nxt, verify_ms=STEP_MS, roundtrip_ms=STEP_MS)
+        return StepReply(accepted=accepted, token=nxt, verify_ms=STEP_MS, roundtrip_ms=STEP_MS)
 
 
 class RuleDrafter(SlowDrafter):

@@ -52,7 +52,7 @@ class LyingProxy:
 
 
 async def _generate(lie, mode: str, window_s: float) -> tuple[list[int], object, int]:
-    """``mode``: the client's mode, or split's session mode (lock-step, cloud-led)."""
+    """``mode``: the client's route, or split's session mode (lock-step, cloud-led)."""
     session_mode = {"lock-step": "lock-step", "cloud-led": "cloud-led"}.get(mode)
     mode = "split" if session_mode else mode
     async with gateway() as upstream:
@@ -63,10 +63,10 @@ async def _generate(lie, mode: str, window_s: float) -> tuple[list[int], object,
                 SplitClient(address, SlowDrafter(0.0)) as client,
             ):
                 cfg = GenerationConfig(
-                    max_new_tokens=N, draft_tokens=2, retry_window_s=window_s,
+                    max_new_tokens=N, max_draft_tokens=2, retry_window_s=window_s,
                     **({"session_mode": session_mode} if session_mode else {}),
                 )  # fmt: skip
-                gen = client.generate(PROMPT, cfg, mode=mode)
+                gen = client.generate(PROMPT, cfg, route=mode)
                 try:
                     return await gen.collect(), gen.stats, proxy.calls
                 except SpecsplitError as e:

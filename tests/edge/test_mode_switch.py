@@ -130,7 +130,7 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
             for mode in ("auto", "lock-step", "auto"):
                 gen = client.generate(
                     [1, 2, 3],
-                    GenerationConfig(max_new_tokens=16, draft_tokens=4, session_mode=mode),
+                    GenerationConfig(max_new_tokens=16, max_draft_tokens=4, session_mode=mode),
                 )
                 await gen.collect()
                 gens.append(gen)
@@ -156,7 +156,7 @@ def test_a_new_client_given_an_old_ones_link_starts_as_that_link_says(monkeypatc
     monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(lambda rtt, step: True))
 
     async def two():
-        cfg = GenerationConfig(max_new_tokens=16, draft_tokens=4)  # auto: the default
+        cfg = GenerationConfig(max_new_tokens=16, max_draft_tokens=4)  # auto: the default
         async with gateway() as address:
             async with SplitClient(address, SlowDrafter(0.001)) as old:
                 first = old.generate([1, 2, 3], cfg)
@@ -185,7 +185,7 @@ def test_a_client_whose_auto_generation_ran_cloud_led_starts_the_next_one_so(mon
     monkeypatch.setattr(Link, "led_pays", lambda link: True)
 
     async def two():
-        cfg = GenerationConfig(max_new_tokens=16, draft_tokens=2)
+        cfg = GenerationConfig(max_new_tokens=16, max_draft_tokens=2)
         gens = []
         async with gateway() as address, SplitClient(address, SlowDrafter(0.001)) as client:
             for _ in range(2):

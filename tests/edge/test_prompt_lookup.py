@@ -116,7 +116,7 @@ def test_greedy_split_with_prompt_lookup_equals_target_greedy(cloud, tiny, check
     async def run() -> list[int]:
         async with SplitClient(cloud.address, proposer) as client:
             for mode in ("lock-step", "cloud-led"):
-                cfg = GenerationConfig(max_new_tokens=24, draft_tokens=4, session_mode=mode)
+                cfg = GenerationConfig(max_new_tokens=24, max_draft_tokens=4, session_mode=mode)
                 out = await client.generate(prompt, cfg).collect()
                 assert out == reference_greedy(tiny.target, prompt, 24), mode
         return proposer.lookups

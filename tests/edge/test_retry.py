@@ -96,6 +96,8 @@ class FinalThenBreak:
         self.calls += 1
         first = await request_iterator.__anext__()
         n = len(first.start.prompt_ids)
+        cloud_only = first.start.session_mode == pb.SESSION_MODE_CLOUD_ONLY
+        mode = pb.SESSION_MODE_CLOUD_ONLY if cloud_only else pb.SESSION_MODE_LOCK_STEP
         yield pb.ServerMessage(
             started=pb.Started(
                 session_id="s",
@@ -105,9 +107,10 @@ class FinalThenBreak:
                 committed_len=n,
                 max_new_tokens=1,
                 seed=5,
+                session_mode=mode,  # a lock-step server: cloud-led asks run lock-step
             )
         )
-        if not first.start.cloud_only:  # a lock-step server (it never sets Started.cloud_led)
+        if mode == pb.SESSION_MODE_LOCK_STEP:
             await request_iterator.__anext__()  # the Draft the verdict answers
         yield pb.ServerMessage(
             verdict=pb.Verdict(
@@ -122,7 +125,7 @@ async def _run_against(servicer, mode: str) -> tuple[list[int], object]:
         generate_server(servicer.generate) as address,
         SplitClient(address, SlowDrafter(0.0)) as client,
     ):
-        gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), mode=mode)
+        gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=1), route=mode)
         return await gen.collect(), gen.stats
 
 
@@ -154,7 +157,7 @@ def test_unavailable_is_retried_until_the_window_ends():
             SplitClient(address, SlowDrafter(0.0)) as client,
         ):
             cfg = GenerationConfig(max_new_tokens=4, retry_window_s=1.0)
-            gen = client.generate([1, 2, 3], cfg, mode="cloud-only")
+            gen = client.generate([1, 2, 3], cfg, route="cloud-only")
             with pytest.raises(SpecsplitError) as err:
                 await gen.collect()
             return err.value, gen.stats

@@ -55,6 +55,6 @@ def test_tls_insecure_loopback_or_no_token_are_allowed(address, kw):
 
 def test_edge_cli_refuses_and_says_how(capfd):
     argv = ["generate", "--server", "10.0.0.1:50051", "--token", "t0k3n"]
-    argv += ["--mode", "cloud-only", "--prompt-ids", "1,2,3"]
+    argv += ["--route", "cloud-only", "--prompt-ids", "1,2,3"]
     assert main(argv) == 2
     assert "--insecure" in capfd.readouterr().err

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from specsplit.shared.acceptance import (
-    VerificationMode,
-    resolve_mode,
+    VerificationRule,
+    resolve_verification,
     verify_greedy,
     verify_rejection,
     verify_token_only,
@@ -83,11 +83,16 @@ def test_token_only_with_one_hot_target_matches_greedy():
     assert (r.accepted, r.token) == (1, 4)
 
 
-def test_resolve_mode():
-    assert resolve_mode(None, 0.0, has_q=True) is VerificationMode.GREEDY
-    assert resolve_mode(VerificationMode.REJECTION, 0.0, has_q=True) is VerificationMode.GREEDY
-    assert resolve_mode(None, 0.7, has_q=True) is VerificationMode.REJECTION
-    assert resolve_mode(None, 0.7, has_q=False) is VerificationMode.TOKEN_ONLY
-    assert resolve_mode(VerificationMode.TOKEN_ONLY, 0.7, has_q=True) is VerificationMode.TOKEN_ONLY
+def test_resolve_verification():
+    assert resolve_verification(None, 0.0, has_q=True) is VerificationRule.GREEDY
+    assert (
+        resolve_verification(VerificationRule.REJECTION, 0.0, has_q=True) is VerificationRule.GREEDY
+    )
+    assert resolve_verification(None, 0.7, has_q=True) is VerificationRule.REJECTION
+    assert resolve_verification(None, 0.7, has_q=False) is VerificationRule.TOKEN_ONLY
+    assert (
+        resolve_verification(VerificationRule.TOKEN_ONLY, 0.7, has_q=True)
+        is VerificationRule.TOKEN_ONLY
+    )
     with pytest.raises(ValueError, match="temperature 0"):
-        resolve_mode(VerificationMode.GREEDY, 0.7, has_q=False)
+        resolve_verification(VerificationRule.GREEDY, 0.7, has_q=False)

@@ -12,11 +12,11 @@ from specsplit.cloud.engine import kernel_library
 from specsplit.cloud.engine.cpu_kernels import QuantizedRows
 from specsplit.cloud.engine.kernel_layouts import paired
 from specsplit.cloud.engine.target import SessionParams
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2
 
-GREEDY = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+GREEDY = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
 
 needs_kernels = pytest.mark.skipif(
     not kernel_library.available(), reason="needs the AVX2 CPU kernels"

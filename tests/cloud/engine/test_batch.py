@@ -7,10 +7,10 @@ import time
 from specsplit.cloud.engine import batch
 from specsplit.cloud.engine.batch import BatchEngine
 from specsplit.cloud.engine.target import Close, Open, PassInfo, SessionParams, Verify
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
-P = SessionParams(SamplingConfig(), VerificationMode.GREEDY)
+P = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
 
 
 class VirtualClock:

@@ -16,7 +16,7 @@ import torch
 from specsplit.cloud.engine import block_quants as bq
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine import kernel_library
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 from specsplit.shared.weights.sources import DRAFT_DEFAULT
 from tests.cloud.engine.conftest import BACKENDS, natural, needs_kernels
 

@@ -10,7 +10,7 @@ import torch
 
 from specsplit.cloud.engine import cpu_kernels as kernels
 from specsplit.cloud.engine import kernel_layouts, kernel_library, kquants
-from specsplit.shared.steps import cache_dir
+from specsplit.shared.build_steps import cache_dir
 from specsplit.shared.weights.sources import TARGET_DEFAULT
 from tests.cloud.engine.conftest import BACKENDS, natural, needs_kernels
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specsplit.cloud.engine.target import SessionNotFound, SessionParams, TargetModel
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 from specsplit.shared.tiny import reference_greedy
 from tests.cloud.engine.conftest import GREEDY
@@ -75,7 +75,7 @@ def test_idle_sessions_are_evicted(target):
 
 
 def test_sampled_round_is_reproducible_by_position(target):
-    params = SessionParams(SamplingConfig(temperature=1.0), VerificationMode.REJECTION, seed=7)
+    params = SessionParams(SamplingConfig(temperature=1.0), VerificationRule.REJECTION, seed=7)
     q = [SparseDist(np.array([10, 11]), np.array([0.5, 0.5]))]
     results = []
     for sid in (1, 2):
@@ -105,9 +105,11 @@ def test_steps_without_drafts_after_a_hint_of_none_revive_the_acceptance_estimat
     for _ in range(15):
         target.acceptance.observe(0, 4)
     low = target.acceptance.rate
-    target.verify(1, 3, [2])  # the hint (MAX_BLOCK so far) allowed drafts: none came, by choice
+    target.verify(
+        1, 3, [2]
+    )  # the hint (MAX_DRAFT_TOKENS so far) allowed drafts: none came, by choice
     assert target.acceptance.rate == low
-    target.last_pass = replace(target.last_pass, block_hint=0)
+    target.last_pass = replace(target.last_pass, max_draft_tokens_hint=0)
     target.verify(1, 4, [7])
     assert target.acceptance.rate > low
 
@@ -135,5 +137,5 @@ def test_a_prefill_in_the_pass_does_not_inflate_the_block_hint(target):
         if with_prefill:
             requests.append(Open(99, list(range(45)), GREEDY))
         target.run(requests)
-        hints.append(target.last_pass.block_hint)
+        hints.append(target.last_pass.max_draft_tokens_hint)
     assert hints[0] == hints[1] == 1

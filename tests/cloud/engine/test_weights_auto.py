@@ -15,7 +15,7 @@ from specsplit.cloud.engine import kernel_library, precision
 from specsplit.cloud.engine.target import SessionParams, TargetModel
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.tiny import make_tiny_qwen2, reference_greedy
 
@@ -76,7 +76,7 @@ def test_a_hidden_size_of_88_is_served_in_float_with_default_flags(tmp_path, cap
     assert any(
         r.levelno == logging.WARNING and "float" in r.getMessage() for r in caplog.records
     ), caplog.text
-    params = SessionParams(SamplingConfig(temperature=0.0), VerificationMode.GREEDY)
+    params = SessionParams(SamplingConfig(temperature=0.0), VerificationRule.GREEDY)
     target.start(1, [1, 2, 3], params)
     result = target.verify(1, 3, [3, 4, 5])
     assert 0 <= result.accepted <= 2
@@ -101,7 +101,7 @@ def test_serve_with_default_flags_answers_from_a_hidden_size_of_88(tmp_path):
 
 async def _cloud_only(address: str, prompt: list[int], n_new: int) -> list[int]:
     async with SplitClient(address, None) as client:
-        gen = client.generate(prompt, GenerationConfig(max_new_tokens=n_new), mode="cloud-only")
+        gen = client.generate(prompt, GenerationConfig(max_new_tokens=n_new), route="cloud-only")
         await gen.collect()
         return gen.token_ids
 

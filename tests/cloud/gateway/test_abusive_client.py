@@ -88,7 +88,7 @@ async def polite_runs(address: str) -> tuple[list[list[int]], list[float]]:
     async with SplitClient(address, token=POLITE) as client:
         for _ in range(RUNS):
             t0 = time.perf_counter()
-            gen = client.generate(PROMPT, cfg, mode="cloud-only")
+            gen = client.generate(PROMPT, cfg, route="cloud-only")
             first = None
             async for _ in gen:
                 first = first or time.perf_counter() - t0

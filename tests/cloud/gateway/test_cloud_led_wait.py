@@ -9,7 +9,7 @@ import asyncio
 import grpc
 
 from specsplit.cloud.gateway.cloud_led import WAIT_SHARE, _Due
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import VOCAB, FakeTriton, gateway
 
@@ -30,13 +30,13 @@ def sequence(n: int) -> list[int]:
 
 
 class RuleTarget(FakeTriton):
-    async def verify(self, base_len, tokens, q=None) -> VerifyReply:
+    async def step(self, base_len, tokens, q=None) -> StepReply:
         await asyncio.sleep(0.01)
         accepted = 0
         while accepted + 1 < len(tokens) and tokens[accepted + 1] == target(tokens[accepted]):
             accepted += 1
         nxt = target(tokens[accepted])
-        return VerifyReply(accepted=accepted, token=nxt, verify_ms=STEP_MS, roundtrip_ms=STEP_MS)
+        return StepReply(accepted=accepted, token=nxt, verify_ms=STEP_MS, roundtrip_ms=STEP_MS)
 
 
 def _draft(base_len: int) -> pb.ClientMessage:

@@ -22,9 +22,9 @@ class HeldTarget(FakeTriton):
 
     release: asyncio.Event
 
-    async def verify(self, *args, **kw):
+    async def step(self, *args, **kw):
         await self.release.wait()
-        return await super().verify(*args, **kw)
+        return await super().step(*args, **kw)
 
 
 def _start() -> pb.ClientMessage:

@@ -2,7 +2,7 @@
 valid token is refused from its metadata, none of its messages read; a stream whose client
 re-sends before its retry hint is held, unread, until the hint runs out
 (``cloud.gateway.retry_gate``); one connection holds at most
-``GatewayLimits.max_streams_per_connection`` streams. (The per-client KV quota's accounting is in
+``StreamPolicy.max_streams_per_connection`` streams. (The per-client KV quota's accounting is in
 test_admission.py.)"""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import grpc
 import pytest
 
 from specsplit.cloud.gateway.admission import Admission, KVShape
-from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.replicas import ReplicaSet
 from specsplit.cloud.gateway.retry_gate import PACE_S, RetryGate
 from specsplit.cloud.gateway.security import Security, TokenAuth
 from specsplit.cloud.gateway.service import SpeculativeService, start_gateway
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.cloud.gateway.triton_client import TritonSequence
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.protocol import (
     PROTOCOL_VERSION,
     RETRY_AFTER_KEY,
@@ -108,7 +108,7 @@ def test_one_connection_holds_at_most_its_cap_of_streams():
 
     async def run():
         async with (
-            gateway(limits=GatewayLimits(max_streams_per_connection=2)) as address,
+            gateway(policy=StreamPolicy(max_streams_per_connection=2)) as address,
             grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as greedy,
             grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as other,
         ):
@@ -138,10 +138,10 @@ def test_one_connection_holds_at_most_its_cap_of_streams():
 
 
 def test_the_cap_reaches_the_server_options():
-    options = dict(GatewayLimits(max_streams_per_connection=3).server_options())
+    options = dict(StreamPolicy(max_streams_per_connection=3).server_options())
     assert options["grpc.max_concurrent_streams"] == 3
     with pytest.raises(ValueError, match="streams per connection"):
-        GatewayLimits(max_streams_per_connection=0)
+        StreamPolicy(max_streams_per_connection=0)
 
 
 def test_each_sequence_tells_the_target_its_client():
@@ -150,7 +150,7 @@ def test_each_sequence_tells_the_target_its_client():
     shares: list[int] = []
 
     class Recording(FakeTriton):
-        async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True):
+        async def start(self, prompt, sampling, verification, seed: int, speculative: bool = True):
             shares.append(self.client_share)
 
     async def one(address: str, token: str) -> None:
@@ -186,7 +186,7 @@ def test_a_start_sends_its_client_share():
     async def run():
         sequence = TritonSequence(Client())
         sequence.client_share = 12345
-        await sequence.start([1, 2], SamplingConfig(), VerificationMode.GREEDY, seed=0)
+        await sequence.start([1, 2], SamplingConfig(), VerificationRule.GREEDY, seed=0)
         await sequence.close()
 
     asyncio.run(run())

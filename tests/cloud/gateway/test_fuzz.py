@@ -70,7 +70,10 @@ def _start(rng: random.Random) -> pb.Start:
         else _ids(rng, prompt_len),
         sampling=sampling,
         verification=rng.randrange(3) if valid else rng.randrange(5),
-        cloud_only=rng.random() < 0.2,
+        # cloud-only a fifth of the time (cloud-led streams run to max_context unattended)
+        session_mode=pb.SESSION_MODE_CLOUD_ONLY
+        if rng.random() < 0.2
+        else field((pb.SESSION_MODE_UNSPECIFIED, pb.SESSION_MODE_LOCK_STEP), (4, 99)),
     )
 
 
@@ -117,7 +120,8 @@ def sequence(rng: random.Random) -> list[bytes]:
             out.append(_garbage(rng, pb.ClientMessage(start=start).SerializeToString()))
             continue
         out.append(msg.SerializeToString())
-    if start.cloud_only and len(out) == 1:  # else the target generates up to max_context alone
+    # else the target generates up to max_context alone
+    if start.session_mode == pb.SESSION_MODE_CLOUD_ONLY and len(out) == 1:
         out.append(pb.ClientMessage(finish=pb.Finish()).SerializeToString())
     return out
 
@@ -153,7 +157,7 @@ def test_fuzzed_streams_end_with_precise_statuses(cloud, tiny):
 
     async def greedy() -> list[int]:
         async with SplitClient(cloud.address, OnnxDrafter(tiny.draft_onnx)) as client:
-            cfg = GenerationConfig(max_new_tokens=16, draft_tokens=3)
+            cfg = GenerationConfig(max_new_tokens=16, max_draft_tokens=3)
             return await client.generate([1, 2, 3, 4, 5], cfg).collect()
 
     assert asyncio.run(greedy()) == reference_greedy(tiny.target, [1, 2, 3, 4, 5], 16)

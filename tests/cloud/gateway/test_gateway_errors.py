@@ -15,6 +15,9 @@ pytestmark = pytest.mark.slow
 VOCAB = 256  # tests/tiny_models default
 
 
+CLOUD_ONLY, CLOUD_LED = pb.SESSION_MODE_CLOUD_ONLY, pb.SESSION_MODE_CLOUD_LED
+
+
 def start(prompt=(1, 2, 3), **kw) -> pb.ClientMessage:
     sampling = kw.pop("sampling", pb.SamplingParams(max_new_tokens=8))
     fields = dict(protocol_version=PROTOCOL_VERSION, prompt_ids=list(prompt), sampling=sampling)
@@ -93,8 +96,8 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "max_new_tokens",
     ),
-    "greedy mode with temperature": (
-        [start(sampling=HOT, verification=pb.VERIFICATION_MODE_GREEDY)],
+    "greedy rule with temperature": (
+        [start(sampling=HOT, verification=pb.VERIFICATION_RULE_GREEDY)],
         grpc.StatusCode.INVALID_ARGUMENT,
         "temperature 0",
     ),
@@ -113,24 +116,35 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "outside q[0]",
     ),
-    "q in greedy mode": (
+    "q under the greedy rule": (
         [start(), draft(3, [1], q=[q_of(1)])],
         grpc.StatusCode.INVALID_ARGUMENT,
-        "only sent in",
+        "only sent under the rejection rule",
     ),
-    "draft in cloud_only": (
-        [start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_only=True), draft(3, [1])],
+    "draft in cloud-only": (
+        [
+            start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_ONLY),
+            draft(3, [1]),
+        ],
         grpc.StatusCode.FAILED_PRECONDITION,
-        "cloud_only",
+        "cloud-only",
+    ),
+    "unknown session mode": (
+        [start(session_mode=7)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown session_mode 7",
     ),
     "cloud-led draft past committed_len": (
-        [start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_led=True), draft(10**6, [1])],
+        [
+            start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_LED),
+            draft(10**6, [1]),
+        ],
         grpc.StatusCode.FAILED_PRECONDITION,
         "> committed_len",
     ),
     "lead in a cloud-led session": (
         [
-            start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_led=True),
+            start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_LED),
             pb.ClientMessage(draft=pb.Draft(round=1, base_len=3, tokens=[1], lead=True)),
         ],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -138,7 +152,10 @@ CASES = {
     ),
     "cloud-led q not a distribution": (
         [
-            start(sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=400), cloud_led=True),
+            start(
+                sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=400),
+                session_mode=CLOUD_LED,
+            ),
             draft(3, [1], q=[q_of(1, 0.5)]),
         ],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -159,10 +176,10 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "top_p",
     ),
-    "unknown verification mode": (
+    "unknown verification rule": (
         [start(verification=7)],
         grpc.StatusCode.INVALID_ARGUMENT,
-        "verification mode",
+        "verification rule",
     ),
     "prompt fills max_context": (
         [start(prompt=[1] * 1024)],
@@ -238,12 +255,14 @@ def test_triton_down_gives_unavailable(tiny, tmp_path):
 
 
 def test_finish_in_cloud_only_is_not_overwritten(cloud):
-    """An explicit Finish ends a cloud_only stream as CANCELLED, however a round is in flight."""
+    """An explicit Finish ends a cloud-only stream as CANCELLED, however a round is in flight."""
 
     async def run() -> list[pb.ServerMessage]:
         async with grpc.aio.insecure_channel(cloud.address) as channel:
             call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=60)
-            await call.write(start(sampling=pb.SamplingParams(max_new_tokens=400), cloud_only=True))
+            await call.write(
+                start(sampling=pb.SamplingParams(max_new_tokens=400), session_mode=CLOUD_ONLY)
+            )
             out = [await call.read(), await call.read()]  # Started, a first Verdict
             await call.write(pb.ClientMessage(finish=pb.Finish()))
             await call.done_writing()
@@ -261,7 +280,7 @@ def test_top_k_beyond_the_vocabulary_means_no_truncation(cloud):
     """top_k >= vocab_size keeps every token (read as 0); it used to wrap to a negative int32."""
     big = pb.SamplingParams(temperature=0.8, top_k=2**31, max_new_tokens=4, seed=1)
     none = pb.SamplingParams(temperature=0.8, top_k=0, max_new_tokens=4, seed=1)
-    token_only = pb.VERIFICATION_MODE_TOKEN_ONLY
+    token_only = pb.VERIFICATION_RULE_TOKEN_ONLY
     a = exchange(cloud.address, [start(sampling=big, verification=token_only), draft(3, [5])])
     b = exchange(cloud.address, [start(sampling=none, verification=token_only), draft(3, [5])])
     assert a[-1].finished == b[-1].finished and a[1].verdict.token == b[1].verdict.token

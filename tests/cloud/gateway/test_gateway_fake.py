@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import grpc
 import pytest
 
-from specsplit.cloud.gateway.limits import GatewayLimits
-from specsplit.cloud.gateway.triton_client import SessionLost, VerifyReply
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
+from specsplit.cloud.gateway.triton_client import SessionLost, StepReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import FakeTriton, gateway
 
@@ -17,7 +17,7 @@ from tests.fakes import FakeTriton, gateway
 class AlwaysLost(FakeTriton):
     """Loses the session on every verify, the re-opened one too."""
 
-    async def verify(self, base_len, tokens, q=None) -> VerifyReply:
+    async def step(self, base_len, tokens, q=None) -> StepReply:
         raise SessionLost("SESSION_NOT_FOUND: gone")
 
 
@@ -97,15 +97,15 @@ def test_undecodable_payload_is_invalid_argument(payloads):
 
 
 class SlowTriton(FakeTriton):
-    async def verify(self, base_len, tokens, q=None) -> VerifyReply:
+    async def step(self, base_len, tokens, q=None) -> StepReply:
         await asyncio.sleep(0.05)
-        return await super().verify(base_len, tokens, q)
+        return await super().step(base_len, tokens, q)
 
 
-async def silent_stream(messages: list[pb.ClientMessage], factory=FakeTriton, **limits_kw):
+async def silent_stream(messages: list[pb.ClientMessage], factory=FakeTriton, **policy_kw):
     """Sends ``messages`` and then nothing (without half-closing); returns the final status."""
     async with (
-        gateway(factory, limits=GatewayLimits(**limits_kw)) as address,
+        gateway(factory, policy=StreamPolicy(**policy_kw)) as address,
         grpc.aio.insecure_channel(address) as channel,
     ):
         call = pb_grpc.SpeculativeDecodingStub(channel).Generate(timeout=20)
@@ -132,7 +132,7 @@ def test_idle_split_stream_times_out():
 
 def test_silent_cloud_only_client_is_not_idle():
     msg = start_msg()
-    msg.start.cloud_only = True
+    msg.start.session_mode = pb.SESSION_MODE_CLOUD_ONLY
     msg.start.sampling.max_new_tokens = 20  # 20 rounds of 50 ms: longer than the idle timeout
     replies, code, _ = asyncio.run(silent_stream([msg], SlowTriton, idle_timeout_s=0.3))
     assert code == grpc.StatusCode.OK

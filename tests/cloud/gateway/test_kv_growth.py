@@ -180,7 +180,7 @@ def test_the_edge_resumes_after_a_refused_growth_without_losing_a_token(session_
         max_new_tokens=n_new,
         retry_window_s=20.0,
         session_mode="auto" if mode == "cloud-only" else session_mode,
-        draft_tokens=4,
+        max_draft_tokens=4,
     )
 
     async def run():

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specsplit.cloud.gateway.metrics import GatewayMetrics
 from specsplit.cloud.gateway.service import start_gateway
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.edge.generation import GenerationStats
 from specsplit.shared.protocol import PROTOCOL_VERSION, SESSION_MODE_TO_PB, pb, pb_grpc
 from specsplit.shared.session_mode import SessionMode
@@ -26,9 +26,9 @@ from tests.fakes import MODEL, NOWHERE, FakeTriton
 class AcceptsTwo(FakeTriton):
     """Keeps the first two drafts of every block, then answers token 9."""
 
-    async def verify(self, base_len: int, tokens: Sequence[int], q=None) -> VerifyReply:
+    async def step(self, base_len: int, tokens: Sequence[int], q=None) -> StepReply:
         kept = min(2, len(tokens) - 1)
-        return VerifyReply(
+        return StepReply(
             accepted=kept, token=9, verify_ms=2.0, roundtrip_ms=3.0, batch_rows=4, batch_sessions=1
         )
 
@@ -122,9 +122,9 @@ def test_counters_follow_the_protocol_in_vllm_vocabulary():
     assert value(m, f"{spec}_acceptance_length_sum") == 3
     assert value(m, f"{spec}_acceptance_length_bucket", le="2.0") == 0
     assert value(m, f"{spec}_acceptance_length_bucket", le="3.0") == 1
-    assert value(m, "specsplit_rounds_total", mode="split") == 2
-    assert value(m, "specsplit_tokens_committed_total", mode="split") == 4
-    assert value(m, "specsplit_sessions_total", mode="split", outcome="length") == 1
+    assert value(m, "specsplit_rounds_total", route="split") == 2
+    assert value(m, "specsplit_tokens_committed_total", route="split") == 4
+    assert value(m, "specsplit_sessions_total", route="split", outcome="length") == 1
     assert value(m, "specsplit_sessions_active") == 0
     assert value(m, "specsplit_round_verify_seconds_count") == 2
     assert value(m, "specsplit_round_verify_seconds_sum") == pytest.approx(0.004)
@@ -177,7 +177,7 @@ def test_errors_are_counted_by_status_code():
     codes, m = asyncio.run(main())
     assert codes == (grpc.StatusCode.FAILED_PRECONDITION,) * 2
     assert value(m, "specsplit_errors_total", code="FAILED_PRECONDITION") == 2
-    assert value(m, "specsplit_sessions_total", mode="split", outcome="failed_precondition") == 2
+    assert value(m, "specsplit_sessions_total", route="split", outcome="failed_precondition") == 2
 
 
 def test_calls_refused_for_their_token_are_counted():
@@ -210,8 +210,8 @@ def test_calls_refused_for_their_token_are_counted():
     refused = grpc.StatusCode.UNAUTHENTICATED
     assert codes == [refused, refused, grpc.StatusCode.OK]
     assert value(m, "specsplit_errors_total", code="UNAUTHENTICATED") == 2
-    assert value(m, "specsplit_sessions_total", mode="none", outcome="unauthenticated") == 2
-    assert value(m, "specsplit_sessions_total", mode="split", outcome="client_closed") == 1
+    assert value(m, "specsplit_sessions_total", route="none", outcome="unauthenticated") == 2
+    assert value(m, "specsplit_sessions_total", route="split", outcome="client_closed") == 1
 
 
 def test_a_client_that_cancels_is_counted_and_its_stream_closed():
@@ -224,13 +224,13 @@ def test_a_client_that_cancels_is_counted_and_its_stream_closed():
                 call.cancel()
             for _ in range(200):  # the handler notices the cancel asynchronously
                 m = samples(service.metrics.registry)
-                if value(m, "specsplit_sessions_total", mode="split", outcome="client_cancelled"):
+                if value(m, "specsplit_sessions_total", route="split", outcome="client_cancelled"):
                     break
                 await asyncio.sleep(0.05)
             return m, service.active
 
     m, active = asyncio.run(main())
-    assert value(m, "specsplit_sessions_total", mode="split", outcome="client_cancelled") == 1
+    assert value(m, "specsplit_sessions_total", route="split", outcome="client_cancelled") == 1
     assert value(m, "specsplit_sessions_active") == 0
     assert active == 0  # the handler's own cleanup ran too
     assert not any(name == "specsplit_errors_total" for name, _ in m)
@@ -264,7 +264,7 @@ def test_metrics_without_replicas_still_register():
 
 
 def test_edge_per_request_spec_decode_fields():
-    s = GenerationStats(mode="split")
+    s = GenerationStats(route="split")
     for k, accepted, emitted in [(3, 3, 4), (3, 1, 2), (2, 0, 1), (0, 0, 1)]:
         s.observe_step(StepCounts(k, accepted, emitted))
     out = s.summary()

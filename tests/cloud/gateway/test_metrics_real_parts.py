@@ -52,9 +52,9 @@ def metered_cloud(tiny, tmp_path_factory):
         )
 
 
-async def generate(address, drafter, prompt, mode, **cfg) -> GenerationStats:
+async def generate(address, drafter, prompt, route, **cfg) -> GenerationStats:
     async with SplitClient(address, drafter) as client:
-        gen = client.generate(prompt, GenerationConfig(**cfg), mode=mode)
+        gen = client.generate(prompt, GenerationConfig(**cfg), route=route)
         await gen.collect()
         return gen.stats
 
@@ -71,7 +71,7 @@ def disagreements(d: dict, stats: GenerationStats, label: str) -> dict[str, tupl
     """{figure: (gateway's counter delta, the client's stats)} wherever the two differ."""
     summary = stats.summary()
     pairs = {
-        "draft_tokens": (value(d, f"{SPEC}_num_draft_tokens_total"), stats.drafted),
+        "drafted": (value(d, f"{SPEC}_num_draft_tokens_total"), stats.drafted),
         "accepted": (value(d, f"{SPEC}_num_accepted_tokens_total"), stats.accepted),
         "drafts": (value(d, f"{SPEC}_num_drafts_total"), summary["num_drafts"]),
         "emitted": (value(d, f"{SPEC}_num_emitted_tokens_total"), summary["num_emitted_tokens"]),
@@ -83,13 +83,13 @@ def disagreements(d: dict, stats: GenerationStats, label: str) -> dict[str, tupl
             value(d, f"{SPEC}_acceptance_length_sum"),
             sum(stats.emitted_lens),
         ),
-        "committed": (value(d, "specsplit_tokens_committed_total", mode=label), stats.new_tokens),
-        "rounds": (value(d, "specsplit_rounds_total", mode=label), stats.rounds),
+        "committed": (value(d, "specsplit_tokens_committed_total", route=label), stats.new_tokens),
+        "rounds": (value(d, "specsplit_rounds_total", route=label), stats.rounds),
         "verify_seconds_count": (value(d, "specsplit_round_verify_seconds_count"), stats.rounds),
         "received_bytes": (value(d, "specsplit_received_bytes_total"), stats.bytes_up),
         "sent_bytes": (value(d, "specsplit_sent_bytes_total"), stats.bytes_down),
         "sessions_length": (
-            value(d, "specsplit_sessions_total", mode=label, outcome="length"),
+            value(d, "specsplit_sessions_total", route=label, outcome="length"),
             1 if stats.finish == "LENGTH" else 0,
         ),
     }
@@ -131,7 +131,7 @@ def test_counters_equal_the_clients_stats_on_real_parts(
 ):
     cloud = metered_cloud
     cloud_only = session == "cloud-only"
-    mode = label = "cloud-only" if cloud_only else "split"
+    route = label = "cloud-only" if cloud_only else "split"
     if session == "auto":
         # Start lock-step whatever Start's round trip says (on loopback it may already favour
         # leading with the first Draft): the hand-over then comes mid-stream, from the rounds'
@@ -161,7 +161,7 @@ def test_counters_equal_the_clients_stats_on_real_parts(
         for name, (drafter, prompt, k) in drafts.items():
             before = cloud.read()
             stats = asyncio.run(
-                generate(cloud.address, drafter, prompt, mode, draft_tokens=k, **cfg)
+                generate(cloud.address, drafter, prompt, route, max_draft_tokens=k, **cfg)
             )
             if found := disagreements(delta(before, cloud.read()), stats, label):
                 wrong[name] = found

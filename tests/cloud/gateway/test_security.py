@@ -55,7 +55,7 @@ def mutual(cloud, tiny, certs, tmp_path_factory):
 def cloud_only(address: str, **client_kw) -> list[int]:
     async def run() -> list[int]:
         async with SplitClient(address, **client_kw) as client:
-            gen = client.generate(PROMPT, GenerationConfig(max_new_tokens=6), mode="cloud-only")
+            gen = client.generate(PROMPT, GenerationConfig(max_new_tokens=6), route="cloud-only")
             return await gen.collect()
 
     return asyncio.run(run())
@@ -109,7 +109,7 @@ def test_mtls_refuses_a_client_without_certificate(mutual, certs, plain_output):
 
 def test_edge_cli_with_tls_and_token_from_env(secured, certs, plain_output):
     args = ["generate", "--server", secured.address, "--tls-ca", str(certs.ca)]
-    args += ["--mode", "cloud-only", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6"]
+    args += ["--route", "cloud-only", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6"]
     env = {**os.environ, "SPECSPLIT_TOKEN": TOKEN}
     ok = subprocess.run([EDGE, *args], capture_output=True, text=True, timeout=120, env=env)
     assert ok.returncode == 0, ok.stderr

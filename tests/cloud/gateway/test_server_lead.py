@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specsplit.cloud.gateway.lockstep import LEAD_AFTER_STEPS, lead_after_ms
-from specsplit.cloud.gateway.triton_client import VerifyReply
+from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.edge.mode_switch import LEAD_AT_START
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from specsplit.shared.session_mode import SessionMode
@@ -24,9 +24,9 @@ class SlowSteps(FakeTriton):
 
     step_ms = 20.0
 
-    async def verify(self, base_len, tokens, q=None) -> VerifyReply:
+    async def step(self, base_len, tokens, q=None) -> StepReply:
         await asyncio.sleep(0.002)
-        return VerifyReply(accepted=0, token=7, verify_ms=self.step_ms, roundtrip_ms=self.step_ms)
+        return StepReply(accepted=0, token=7, verify_ms=self.step_ms, roundtrip_ms=self.step_ms)
 
 
 class EndlessSteps(SlowSteps):

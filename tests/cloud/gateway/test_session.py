@@ -3,16 +3,18 @@
 import pytest
 
 from specsplit.cloud.gateway.session import Code, Finish, GatewaySession, ModelLimits, ProtocolError
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
 LIMITS = ModelLimits(vocab_size=100, max_context=64, max_draft_tokens=4, eos_token_ids=(99,))
 
 
 def session(
-    max_new_tokens=10, stop_ids=frozenset(), mode=VerificationMode.GREEDY
+    max_new_tokens=10, stop_ids=frozenset(), verification=VerificationRule.GREEDY
 ) -> GatewaySession:
-    return GatewaySession(LIMITS, [1, 2, 3], SamplingConfig(), mode, 0, max_new_tokens, stop_ids)
+    return GatewaySession(
+        LIMITS, [1, 2, 3], SamplingConfig(), verification, 0, max_new_tokens, stop_ids
+    )
 
 
 def test_commit_appends_accepted_then_token():
@@ -48,7 +50,7 @@ def test_max_new_tokens_respected():
         (4, [1], 0, Code.FAILED_PRECONDITION, "base_len"),
         (3, [1, 2, 3, 4, 5], 0, Code.INVALID_ARGUMENT, "max_draft_tokens"),
         (3, [100], 0, Code.INVALID_ARGUMENT, "outside the vocabulary"),
-        (3, [1], 1, Code.INVALID_ARGUMENT, "only sent in rejection"),
+        (3, [1], 1, Code.INVALID_ARGUMENT, "only sent under the rejection rule"),
     ],
 )
 def test_check_draft_rejects(base_len, tokens, n_q, code, match):
@@ -57,8 +59,8 @@ def test_check_draft_rejects(base_len, tokens, n_q, code, match):
     assert e.value.code is code
 
 
-def test_rejection_mode_needs_q_per_token():
-    s = session(mode=VerificationMode.REJECTION)
+def test_the_rejection_rule_needs_q_per_token():
+    s = session(verification=VerificationRule.REJECTION)
     s.check_draft(3, [1, 2], 2)
     with pytest.raises(ProtocolError, match="needs q"):
         s.check_draft(3, [1, 2], 1)

@@ -15,21 +15,21 @@ import time
 import grpc
 
 from specsplit.cloud.gateway.admission import Admission
-from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.service import ModelIdentity, start_gateway
 from specsplit.cloud.gateway.session import ModelLimits
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.fakes import NOWHERE, VOCAB, FakeTriton
 
 # A context long enough for a cloud-only stream to outrun any flow-control window.
-LONG = ModelIdentity("long", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=1 << 24), "")
+LONG = ModelIdentity("long", "qwen2", ModelLimits(vocab_size=VOCAB, max_context=1 << 24))
 NO_BDP = [("grpc.http2.bdp_probe", 0)]
 
 
 @contextlib.asynccontextmanager
-async def long_gateway(admission: Admission, limits: GatewayLimits):
+async def long_gateway(admission: Admission, policy: StreamPolicy):
     server, port, service = await start_gateway(
-        NOWHERE, LONG, limits=limits, sequence_factory=FakeTriton, admission=admission
+        NOWHERE, LONG, policy=policy, sequence_factory=FakeTriton, admission=admission
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NO_BDP) as channel:
@@ -79,7 +79,7 @@ def test_a_client_that_never_reads_its_verdicts_is_ended_after_the_idle_timeout(
     admission = Admission(max_sessions=4)
 
     async def run():
-        async with long_gateway(admission, GatewayLimits(idle_timeout_s=1.0)) as (stub, service):
+        async with long_gateway(admission, StreamPolicy(idle_timeout_s=1.0)) as (stub, service):
             call = await _never_reading(stub)
             try:
                 await _until(lambda: admission.live, within_s=5.0)  # admitted, generating
@@ -101,7 +101,7 @@ def test_a_client_that_never_reads_yields_its_place_under_pressure():
     admission = Admission(max_sessions=1, reclaim_after_s=0.3)
 
     async def run():
-        async with long_gateway(admission, GatewayLimits(idle_timeout_s=60.0)) as (stub, _):
+        async with long_gateway(admission, StreamPolicy(idle_timeout_s=60.0)) as (stub, _):
             stuck = await _never_reading(stub)
             try:
                 await asyncio.sleep(1.0)  # its sends block early; idle beyond the grace since

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from specsplit.cloud.gateway.admission import Admission, KVShape, Refused, slot_positions
-from specsplit.cloud.gateway.limits import GatewayLimits
 from specsplit.cloud.gateway.service import LEASE_MARGIN_S
+from specsplit.cloud.gateway.stream_policy import StreamPolicy
 from specsplit.cloud.gateway.triton_client import TargetFull, _classify
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.protocol import (
@@ -76,16 +76,16 @@ def test_the_targets_refusal_reaches_the_edge_with_a_retry_hint():
     leases = []
 
     class Full(FakeTriton):
-        async def start(self, prompt, sampling, mode, seed: int, speculative: bool = True):
+        async def start(self, prompt, sampling, verification, seed: int, speculative: bool = True):
             leases.append(self.lease_s)
 
-        async def verify(self, base_len, tokens, q=None):
+        async def step(self, base_len, tokens, q=None):
             raise TargetFull("KV_CAPACITY_EXCEEDED: session 1: its next step needs 1.0 MiB")
 
     async def run():
-        limits = GatewayLimits(idle_timeout_s=20)
+        policy = StreamPolicy(idle_timeout_s=20)
         async with (
-            gateway(Full, limits=limits) as address,
+            gateway(Full, policy=policy) as address,
             grpc.aio.insecure_channel(address) as channel,
         ):
             call = pb_grpc.SpeculativeDecodingStub(channel).Generate(iter([START]), timeout=30)
@@ -105,11 +105,11 @@ def test_the_edge_retries_the_targets_refusal_and_loses_no_token():
     refusals = []
 
     class FullOnce(FakeTriton):
-        async def verify(self, base_len, tokens, q=None):
+        async def step(self, base_len, tokens, q=None):
             if base_len == 10 and not refusals:
                 refusals.append(base_len)
                 raise TargetFull("KV_CAPACITY_EXCEEDED: session 1: its next step needs 1 MiB")
-            return await super().verify(base_len, tokens, q)
+            return await super().step(base_len, tokens, q)
 
     async def run():
         async with gateway(FullOnce) as address, SplitClient(address) as client:

@@ -14,7 +14,7 @@ import tritonclient.grpc.aio as aioclient
 from specsplit.cloud.gateway.triton_client import SessionLost, TargetFull, TritonSequence
 from specsplit.cloud.kv_growth import MIN_SLOT, KVShape
 from specsplit.cloud.supervision.process import CloudProcess
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def small(tiny, tmp_path_factory):
 async def _start(client, prompt, lease_s: float = 0.0) -> TritonSequence:
     sequence = TritonSequence(client)
     sequence.lease_s = lease_s
-    await sequence.start(prompt, SamplingConfig(), VerificationMode.GREEDY, seed=0)
+    await sequence.start(prompt, SamplingConfig(), VerificationRule.GREEDY, seed=0)
     return sequence
 
 
@@ -56,7 +56,7 @@ def test_starts_report_the_capacity_and_past_it_are_refused(small, tiny):
                     refused = e
                     break
             reports = [(s.kv_capacity, s.kv_held) for s in held]
-            step = await held[0].verify(3, [3])  # a held session is served as before
+            step = await held[0].step(3, [3])  # a held session is served as before
             for s in held:
                 await s.close()
         finally:
@@ -81,10 +81,10 @@ def test_a_sequence_left_without_an_end_is_evicted_after_its_lease(small):
             probe = await _start(client, [7, 8, 9])  # a pass runs: idle sessions are evicted
             lost = None
             try:
-                await orphan.verify(3, [3])
+                await orphan.step(3, [3])
             except SessionLost as e:
                 lost = e
-            step = await kept.verify(3, [6])
+            step = await kept.step(3, [6])
             for s in (kept, probe):
                 await s.close()
         finally:

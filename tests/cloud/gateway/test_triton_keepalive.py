@@ -11,7 +11,7 @@ import pytest
 from specsplit.cloud.gateway.replicas import KEEPALIVE_MS, _client
 from specsplit.cloud.gateway.triton_client import TritonSequence
 from specsplit.cloud.supervision.triton import MIN_PING_INTERVAL_MS
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,10 @@ def test_a_session_stream_survives_a_quiet_spell(cloud):
         session = TritonSequence(client)
         try:
             await session.start(
-                [1, 2, 3], SamplingConfig(temperature=0.0), VerificationMode.TOKEN_ONLY, 0
+                [1, 2, 3], SamplingConfig(temperature=0.0), VerificationRule.TOKEN_ONLY, 0
             )
             await asyncio.sleep(quiet_s)
-            reply = await session.verify(3, [3])
+            reply = await session.step(3, [3])
             return reply.accepted, reply.token
         finally:
             await session.close()

@@ -102,7 +102,7 @@ def serve(cloud, draft_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     server = EdgeServe(
         "--server", cloud.address, "--draft", str(draft_dir), "--concurrency", "2",
-        "--draft-tokens", "3", "--retry-window", "0", log_path=log,
+        "--max-draft-tokens", "3", "--retry-window", "0", log_path=log,
     )  # fmt: skip
     try:
         yield server
@@ -148,7 +148,7 @@ def test_chat_greedy_equals_the_targets_greedy(serve, tiny, codec):
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), N)
     spec = r.model_extra["specsplit"]
-    assert spec["mode"] == "split" and spec["new_tokens"] == N
+    assert spec["route"] == "split" and spec["new_tokens"] == N
     assert spec["target_forward_passes"] == spec["rounds"] > 0
     assert 0 <= spec["acceptance_rate"] < 0.5  # an unrelated draft: the cloud corrects it
     assert spec["tokens_per_round"] == pytest.approx(N / spec["rounds"])

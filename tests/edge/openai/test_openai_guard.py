@@ -1,7 +1,7 @@
 """`specsplit-edge serve` on a laptop: the Host allow-list against DNS rebinding
 (edge.openai.hosts), an API key required off loopback, tokenising off the event loop, request
 paths logged with repr. The app is called in process over plain ASGI (its cloud is nowhere: no
-request here reaches it); tests/edge/openai/test_openai_limits.py sends a rebinding request to
+request here reaches it); tests/edge/openai/test_request_guard.py sends a rebinding request to
 the real server process."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def draft_dir(tmp_path) -> Path:
 
 
 def config(draft_dir: Path, **kw) -> ServeConfig:
-    kw.setdefault("mode", "cloud-only")
+    kw.setdefault("route", "cloud-only")
     return ServeConfig(server="127.0.0.1:1", draft_dir=draft_dir, model_name="m", **kw)
 
 
@@ -112,7 +112,7 @@ def test_the_cli_refuses_a_public_bind_without_a_key(draft_dir, capsys, monkeypa
 
     monkeypatch.delenv("SPECSPLIT_API_KEY", raising=False)
     argv = ["serve", "--host", "0.0.0.0", "--port", "0", "--draft", str(draft_dir)]
-    assert cli.main([*argv, "--mode", "cloud-only"]) == 2
+    assert cli.main([*argv, "--route", "cloud-only"]) == 2
     assert "needs an API key" in capsys.readouterr().err
 
 

@@ -9,7 +9,7 @@ from specsplit.shared.spec_counts import StepCounts
 
 
 def stats() -> GenerationStats:
-    s = GenerationStats(mode="split")
+    s = GenerationStats(route="split")
     for step in (StepCounts(3, 3, 4), StepCounts(3, 1, 2), StepCounts(0, 0, 1)):
         s.observe_step(step)
     s.ttft_s = 0.5

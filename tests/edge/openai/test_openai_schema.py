@@ -29,7 +29,7 @@ class Codec:
         return self.encode("".join(f"{m['role']}:{m['content']};" for m in messages))
 
 
-BASE = GenerationConfig(draft_tokens=5, retry_window_s=3.0)
+BASE = GenerationConfig(max_draft_tokens=5, retry_window_s=3.0)
 
 
 def chat(**kw) -> ChatRequest:
@@ -40,7 +40,10 @@ def test_defaults_are_openais():
     plan = chat_plan(chat(), Codec(), BASE)
     assert plan.config.sampling.temperature == 1.0 and plan.config.sampling.top_p == 1.0
     assert plan.config.max_new_tokens == UNLIMITED and plan.config.seed is None
-    assert (plan.config.draft_tokens, plan.config.retry_window_s) == (5, 3.0)  # the server's own
+    assert (plan.config.max_draft_tokens, plan.config.retry_window_s) == (
+        5,
+        3.0,
+    )  # the server's own
     assert plan.stops == () and not plan.stream and not plan.include_usage
 
 

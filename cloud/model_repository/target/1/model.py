@@ -28,7 +28,7 @@ from specsplit.cloud.engine.target import (
     TargetModel,
     Verify,
 )
-from specsplit.shared.acceptance import VerificationMode
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
 log = logging.getLogger("specsplit.target")
@@ -81,7 +81,7 @@ def _response(
             out("SESSIONS", sessions, np.int64),
             out("BATCH_ROWS", info.rows, np.int32),
             out("BATCH_SESSIONS", info.sessions, np.int32),
-            out("BLOCK_HINT", info.block_hint, np.int32),
+            out("MAX_DRAFT_TOKENS_HINT", info.max_draft_tokens_hint, np.int32),
             out("KV_BYTES", kv[0], np.int64),
             out("KV_CAPACITY", kv[1], np.int64),
             out("KV_HELD", kv[2], np.int64),
@@ -127,7 +127,7 @@ def _parse(request) -> Request:
         )
         params = SessionParams(
             sampling,
-            VerificationMode(int(_scalar(request, "MODE", int(VerificationMode.GREEDY)))),
+            VerificationRule(int(_scalar(request, "VERIFICATION", int(VerificationRule.GREEDY)))),
             seed=int(_scalar(request, "SEED", 0)),
             speculative=bool(_scalar(request, "SPECULATIVE", 1)),
         )

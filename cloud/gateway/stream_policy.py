@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class GatewayLimits:
+class StreamPolicy:
     start_timeout_s: float = 10.0  # from stream open to its Start
     # Between a Verdict and the client's next message (split mode), and for any message of ours
     # the client does not read (gRPC flow control holds it): a client that stalls either way.

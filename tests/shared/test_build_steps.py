@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from specsplit.shared.steps import require_extra
+from specsplit.shared.build_steps import require_extra
 
 
 def test_require_extra_names_the_missing_modules_and_the_extra():

@@ -29,7 +29,7 @@ GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 RETRY_AFTER_S = 1
 
 
-class RequestLimits:
+class RequestGuard:
     """ASGI middleware: the body size limit for every request, the cap on generation requests
     in progress for POSTs to ``GENERATE_PATHS``."""
 

@@ -1,4 +1,4 @@
-"""`specsplit-edge serve`'s own limits (edge.openai.limits), on the real server process: a body
+"""`specsplit-edge serve`'s request guard (edge.openai.request_guard), on the real server: a body
 over the limit is a 413 before it is read whole; a generation request beyond the slots and the
 queue for them is a 429 with Retry-After at once, while the requests already taken finish."""
 
@@ -96,11 +96,11 @@ def held_gateway(model=MODEL) -> Iterator[tuple[int, threading.Event, list]]:
     port: list[int] = []
 
     class Held(FakeTriton):
-        async def verify(self, *args, **kw):
+        async def step(self, *args, **kw):
             begun.append(1)
             while not release.is_set():
                 await asyncio.sleep(0.01)
-            return await super().verify(*args, **kw)
+            return await super().step(*args, **kw)
 
     async def serve() -> None:
         server, bound, service = await start_gateway(NOWHERE, model, sequence_factory=Held)
@@ -127,7 +127,7 @@ def held_gateway(model=MODEL) -> Iterator[tuple[int, threading.Event, list]]:
 def test_requests_beyond_the_slots_and_the_queue_are_a_429_at_once(draft_dir, tmp_path):  # noqa: F811
     with held_gateway() as (port, release, begun):
         server = EdgeServe(
-            "--server", f"127.0.0.1:{port}", "--draft", str(draft_dir), "--mode", "cloud-only",
+            "--server", f"127.0.0.1:{port}", "--draft", str(draft_dir), "--route", "cloud-only",
             "--concurrency", "1", "--max-waiting", "1", "--retry-window", "0",
             log_path=tmp_path / "serve.log",
         )  # fmt: skip
@@ -165,7 +165,7 @@ def test_a_stream_its_client_does_not_read_gives_its_slot_back(draft_dir, tmp_pa
     with held_gateway(LONG) as (port, release, _):
         release.set()  # an endless cloud-only generation
         server = EdgeServe(
-            "--server", f"127.0.0.1:{port}", "--draft", str(draft_dir), "--mode", "cloud-only",
+            "--server", f"127.0.0.1:{port}", "--draft", str(draft_dir), "--route", "cloud-only",
             "--concurrency", "1", "--send-timeout", "1", "--retry-window", "0",
             log_path=tmp_path / "serve.log",
         )  # fmt: skip
