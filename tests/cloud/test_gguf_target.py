@@ -106,7 +106,7 @@ def test_serve_takes_a_gguf_file_prints_its_format_and_generates(tiny_gguf, tmp_
 
     async def generate(address):
         async with SplitClient(address, None) as client:
-            gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=8), mode="cloud-only")
+            gen = client.generate([1, 2, 3], GenerationConfig(max_new_tokens=8), route="cloud-only")
             await gen.collect()
             return gen
 

@@ -25,11 +25,11 @@ N_NEW = 24
 class SteppingTarget(RuleTarget):
     """A pass of STEP_S that reports it (Started.step_ms of the next stream)."""
 
-    async def verify(self, base_len, tokens, q=None):
+    async def step(self, base_len, tokens, q=None):
         await asyncio.sleep(STEP_S)
-        reply = await super().verify(base_len, tokens, q)
+        reply = await super().step(base_len, tokens, q)
         ms = STEP_S * 1e3
-        return dataclasses.replace(reply, verify_ms=ms, roundtrip_ms=ms, block_hint=16)
+        return dataclasses.replace(reply, verify_ms=ms, roundtrip_ms=ms, max_draft_tokens_hint=16)
 
 
 def _run(rtt_ms: float):

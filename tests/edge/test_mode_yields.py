@@ -66,7 +66,7 @@ def test_a_measured_cloud_led_rate_replaces_the_model_in_the_switch():
 
 
 def test_a_generation_remembers_the_modes_it_ran_and_keeps_the_others():
-    stats = GenerationStats(mode="split")
+    stats = GenerationStats(route="split")
     for ms in (100.0, 120.0, 110.0):
         count_pass(stats, LOCK_STEP, 3, ms)
     count_pass(stats, CLOUD_LED, 2, 50.0)  # one pass: too few to judge
@@ -74,7 +74,7 @@ def test_a_generation_remembers_the_modes_it_ran_and_keeps_the_others():
     link = Link(0.5, 50.0).measured(stats, before)
     assert link.lock_step == Yield(3.0, 110.0)
     assert link.cloud_led == POOR_LED  # not run long enough: what memory held
-    assert Link(0.5, 50.0).measured(GenerationStats(mode="split"), None) == Link(0.5, 50.0)
+    assert Link(0.5, 50.0).measured(GenerationStats(route="split"), None) == Link(0.5, 50.0)
 
 
 def test_a_cloud_led_run_that_verified_no_draft_is_not_started_again(monkeypatch):
@@ -92,7 +92,7 @@ def test_a_cloud_led_run_that_verified_no_draft_is_not_started_again(monkeypatch
     monkeypatch.setattr(LeadChoice, "should_lead", should_lead)
 
     async def two():
-        cfg = GenerationConfig(max_new_tokens=16, draft_tokens=2)
+        cfg = GenerationConfig(max_new_tokens=16, max_draft_tokens=2)
         gens = []
         async with gateway() as address, SplitClient(address, SlowDrafter(0.001)) as client:
             for _ in range(2):

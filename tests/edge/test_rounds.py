@@ -26,7 +26,7 @@ class FakeStream:
         self.seed = None
         self.committed = [1, 2, 3]
         self.max_new_tokens = cfg.max_new_tokens
-        self.stats = GenerationStats(mode="split")
+        self.stats = GenerationStats(route="split")
         self.asked: SessionMode | None = None
         self.finished = False
 

@@ -30,7 +30,7 @@ class FakeRound:
     def check(self, draft, exact_base=True):
         return None
 
-    async def verify(self, tokens, q, t0):
+    async def verdict(self, tokens, q, t0):
         self.verified.append(list(tokens))
         if len(self.verified) >= self.steps:
             self.session.finish = Finish.LENGTH
@@ -132,7 +132,7 @@ def test_the_dispatcher_switches_once_on_a_handover(monkeypatch, mode, ends_in_h
     monkeypatch.setattr(service, "lockstep_rounds", lockstep)
     monkeypatch.setattr(service, "cloud_led_rounds", cloud_led)
     monkeypatch.setattr(service, "cloud_only_rounds", cloud_only)
-    servicer = SimpleNamespace(limits=SimpleNamespace(idle_timeout_s=5.0))
+    servicer = SimpleNamespace(policy=SimpleNamespace(idle_timeout_s=5.0))
 
     async def main():
         rounds = service.SpeculativeService._rounds(servicer, mode, None, None, 0.0)
