@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -140,9 +140,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 await before_refusing(requests)
             await self._refuse(context, client, e)
         handler = asyncio.current_task()
-        ticket.end_stream = lambda code, details: self._end(ticket, handler, context, code, details)
-        # the reclaim policy's: only ever while idle (cloud.gateway.admission)
-        ticket.end = lambda: ticket.end_stream(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
+        ticket.attach(StreamHandle(ticket, handler, context, self._background))
         lease = Lease(self.replicas, self._sequences(client))
         messages, session = _Marked(requests.__aiter__(), ticket), None
         try:
@@ -192,8 +190,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             if context.code() is None:  # else _end sent it, from outside a stuck send
                 await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         finally:
-            ticket.end = None
-            ticket.leave()
+            ticket.leave()  # drops its StreamHandle: nothing ends this stream from outside now
             self._release(lease, ticket)
         reader = session.reader if session is not None else None  # cloud-led: still reading
         await until_half_close(requests, self.policy.half_close_grace_s, reader)
@@ -203,14 +200,6 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self.gate.told(client, e.retry_after_ms)
         self.metrics.refused_stream(e.reason)
         await context.abort(*_status(e))
-
-    def _end(self, ticket: Ticket, handler: asyncio.Task, context, code, details: str) -> None:
-        """Ends a stream from outside its handler: the reclaim policy, a send that stalled."""
-        if ticket.in_send:
-            # Cancelled inside gRPC's send, the handler can no longer send a status: sent from
-            # here, it reaches the client behind the messages it has not read yet.
-            self._background(_abort(context, code, details))
-        handler.cancel()
 
     def _background(self, coro) -> None:
         # Not among the tasks close() waits for: a status behind unread messages may never go.
@@ -250,7 +239,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         control holds the send) has its stream ended, like one that writes nothing."""
         idle_s = self.policy.idle_timeout_s
         stalled = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the client read nothing for {idle_s:g} s")
-        timer = asyncio.get_running_loop().call_later(idle_s, ticket.end_stream, *stalled)
+        timer = asyncio.get_running_loop().call_later(idle_s, ticket.control.end, *stalled)
         try:
             with ticket.sending():
                 yield
@@ -328,6 +317,33 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             lead_after_ms=lead_after_ms(follows_lead, mode, step_ms),
             setup_ms=(time.perf_counter() - t_start) * 1e3,
         )
+
+
+class StreamHandle:
+    """One stream's handler task and call context: ends the stream from outside the handler,
+    for the reclaim policy (``reclaim``) and for a send that stalled (``end``). What a ticket
+    holds (cloud.gateway.admission.StreamControl), so admission never reaches the servicer."""
+
+    def __init__(
+        self,
+        ticket: Ticket,
+        handler: asyncio.Task,
+        context,
+        background: Callable[[Awaitable[None]], None],
+    ):
+        self.ticket, self.handler, self.context = ticket, handler, context
+        self.background = background  # runs a status send outside the handler
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        if self.ticket.in_send:
+            # Cancelled inside gRPC's send, the handler can no longer send a status: sent from
+            # here, it reaches the client behind the messages it has not read yet.
+            self.background(_abort(self.context, code, details))
+        self.handler.cancel()
+
+    def reclaim(self) -> None:
+        # only ever while the stream is idle (cloud.gateway.admission)
+        self.end(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
 
 
 class _Marked:
