@@ -33,7 +33,7 @@ from specsplit.cloud.gateway.admission import (
     Refused,
     Ticket,
 )
-from specsplit.cloud.gateway.cloud_led import cloud_led_rounds
+from specsplit.cloud.gateway.cloud_led import ReadingTail, cloud_led_rounds
 from specsplit.cloud.gateway.cloud_only import cloud_only_rounds
 from specsplit.cloud.gateway.handover import Handover
 from specsplit.cloud.gateway.health import update_health, watch_health
@@ -143,6 +143,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         ticket.attach(StreamHandle(ticket, handler, context, self._background))
         lease = Lease(self.replicas, self._sequences(client))
         messages, session = _Marked(requests.__aiter__(), ticket), None
+        tail = ReadingTail()  # a cloud-led loop leaves its reader here, still reading
         try:
             first = await next_message(messages, self.policy.start_timeout_s, "Start")
             if first is not None:  # else the client half-closed without a Start
@@ -167,7 +168,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 reserve = lambda n: self._reserve(ticket, lease, n)  # noqa: E731
                 step = Round(session, lease, self.steps, ticket.working, reserve)
                 lead_after_s = started.lead_after_ms / 1e3
-                async for verdict in self._rounds(mode, step, messages, lead_after_s):
+                async for verdict in self._rounds(mode, step, messages, lead_after_s, tail):
                     with self._sending(ticket):
                         yield pb.ServerMessage(verdict=verdict)
                 with self._sending(ticket):
@@ -186,14 +187,14 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 raise  # the client cancelled, the server stops, or a send stalled (_end)
             if handler.cancelling():
                 handler.uncancel()
-            session = None  # nothing more to read: the stream ends now
+            tail.reader = None  # nothing more to read: the stream ends now
             if context.code() is None:  # else _end sent it, from outside a stuck send
                 await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         finally:
             ticket.leave()  # drops its StreamHandle: nothing ends this stream from outside now
             self._release(lease, ticket)
-        reader = session.reader if session is not None else None  # cloud-led: still reading
-        await until_half_close(requests, self.policy.half_close_grace_s, reader)
+        # A cloud-led loop's reader reads on until the half-close; else read here until then
+        await until_half_close(requests, self.policy.half_close_grace_s, tail.reader)
 
     async def _refuse(self, context, client: str | None, e: Refused) -> None:
         """Ends a stream with RESOURCE_EXHAUSTED; its client is held to the retry hint."""
@@ -208,17 +209,17 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         task.add_done_callback(self._ending.discard)
 
     async def _rounds(
-        self, mode: SessionMode, step: Round, messages, lead_after_s: float
+        self, mode: SessionMode, step: Round, messages, lead_after_s: float, tail: ReadingTail
     ) -> AsyncIterator[pb.Verdict]:
         """The session's mode switch, the one place a mode meets its loop: a lock-step loop
         ends in a Handover (cloud.gateway.handover) when the session goes on cloud-led; the
-        switch is one way."""
+        switch is one way. A cloud-led loop leaves its still-reading reader in ``tail``."""
         handover: Handover | None = None
         while True:
             if mode is SessionMode.CLOUD_ONLY:
                 rounds = cloud_only_rounds(step, messages)
             elif mode is SessionMode.CLOUD_LED:
-                rounds = cloud_led_rounds(step, messages, handover)
+                rounds = cloud_led_rounds(step, messages, tail, handover)
             else:
                 idle_s = self.policy.idle_timeout_s
                 rounds = lockstep_rounds(step, messages, idle_s, lead_after_s)

@@ -1,5 +1,6 @@
 """Fakes of what the gateway's mode loops and admission talk to: a ``Round`` (one step of a
-session), a client's message stream, and a ``StreamControl`` (how admission ends a stream)."""
+session, cloud.gateway.round.Round), a client's message stream, and a ``StreamControl`` (how
+admission ends a stream, cloud.gateway.admission.StreamControl)."""
 
 from __future__ import annotations
 
@@ -82,14 +83,39 @@ class FakeRound:
         )
 
 
-async def client_messages(*msgs, hold: asyncio.Event | None = None):
-    """A client's stream: each of ``msgs`` (a Draft, a Finish, or a ClientMessage), then a
-    half-close, or silence until ``hold`` is set."""
-    for m in msgs:
-        if isinstance(m, pb.Draft):
-            m = pb.ClientMessage(draft=m)
-        elif isinstance(m, pb.Finish):
-            m = pb.ClientMessage(finish=m)
-        yield m
-    if hold is not None:
-        await hold.wait()
+class FakeClient:
+    """A client's message stream that a test writes to as the loop runs: ``send`` Drafts,
+    Finishes or ClientMessages; ``close`` half-closes it (every later read sees the end)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def send(self, *msgs) -> None:
+        for m in msgs:
+            if isinstance(m, pb.Draft):
+                m = pb.ClientMessage(draft=m)
+            elif isinstance(m, pb.Finish):
+                m = pb.ClientMessage(finish=m)
+            self.queue.put_nowait(m)
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+    def __aiter__(self) -> FakeClient:
+        return self
+
+    async def __anext__(self):
+        msg = await self.queue.get()
+        if msg is None:
+            self.queue.put_nowait(None)
+            raise StopAsyncIteration
+        return msg
+
+
+async def until(condition, turns: int = 1000) -> None:
+    """Lets the event loop run (a bounded count of turns, no clock) until ``condition()``."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"still not so after {turns} turns of the event loop")
