@@ -102,8 +102,9 @@ class Reclaiming(Refused):
 
 
 class StreamControl(Protocol):
-    """How a stream is ended from outside its handler (``cloud.gateway.service.StreamHandle``
-    implements it; tests use fakes): the one way admission reaches a stream it counts."""
+    """How a stream is ended from outside its handler: by the reclaim policy (``reclaim``), the
+    one way admission reaches a stream it counts, and by the servicer's timer on a send that
+    stalled (``end``). ``cloud.gateway.service.StreamHandle`` implements it; tests use fakes."""
 
     def end(self, code: object, details: str) -> None:
         """Ends the stream with the status (``code``: a grpc.StatusCode, ``details``)."""
