@@ -39,10 +39,11 @@ Idle sessions yield under pressure: a session owns nothing its edge cannot rebui
 KV memory, streams idle for longer than ``reclaim_after_s`` are reclaimed: those that never sent a
 Start first, then sessions by least recent activity (a message received, a step or a send ended). A
 ticket with work in flight (its Start or a verification in Triton) is never reclaimed; a message the
-client has not read for that long is no work of ours (``sending``). A reclaimed ticket's
-``end`` ends its stream (UNAVAILABLE: the edge re-opens from its committed sequence); its place
-and KV bytes come back through ``leave``/``free`` like any other end's, and the refused caller
-is told to wait (``Reclaiming``) until they do.
+client has not read for that long is no work of ours (``sending``). Admission reaches a stream
+only through the ``StreamControl`` its handler attached to the ticket: a reclaimed ticket's
+``StreamControl.reclaim`` ends its stream (UNAVAILABLE: the edge re-opens from its committed
+sequence); its place and KV bytes come back through ``leave``/``free`` like any other end's, and
+the refused caller is told to wait (``Reclaiming``) until they do.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specsplit.cloud.kv_growth import (  # noqa: F401 (KVShape re-exported: its users' import)
     MAX_DRAFT_TOKENS,
@@ -99,14 +101,27 @@ class Reclaiming(Refused):
     after ``RECLAIM_WAIT_S`` the refusal stands, with its retry hint."""
 
 
+class StreamControl(Protocol):
+    """How a stream is ended from outside its handler: by the reclaim policy (``reclaim``), the
+    one way admission reaches a stream it counts, and by the servicer's timer on a send that
+    stalled (``end``). ``cloud.gateway.service.StreamHandle`` implements it; tests use fakes."""
+
+    def end(self, code: object, details: str) -> None:
+        """Ends the stream with the status (``code``: a grpc.StatusCode, ``details``)."""
+
+    def reclaim(self) -> None:
+        """Ends the stream for the reclaim policy (UNAVAILABLE: retry from the committed
+        sequence)."""
+
+
 @dataclass(eq=False)  # tickets are told apart by identity, never by their fields
 class Ticket:
     """One stream's claim: its quota place and, once its Start is admitted, its KV bytes.
     Each is given back once, whatever calls ``leave``/``free`` and however often.
 
     What the reclaim policy reads: ``active`` (the last message received or work ended),
-    ``busy`` (work in flight), ``started`` (a Start was read); ``end`` (set by the stream's
-    handler; None: never reclaimed) ends the stream."""
+    ``busy`` (work in flight), ``started`` (a Start was read); ``control`` (attached once by the
+    stream's handler, dropped when the stream leaves; None: never reclaimed) ends the stream."""
 
     admission: Admission
     client: str | None
@@ -116,9 +131,7 @@ class Ticket:
     active: float = field(default_factory=time.monotonic)
     busy: int = 0
     started: bool = False
-    end: Callable[[], None] | None = None
-    # The handler's: ends the stream with (code, details) from outside it (a stalled send).
-    end_stream: Callable[[object, str], None] | None = None
+    control: StreamControl | None = None
     in_send: bool = False  # a message of ours is on its way (sending)
     reclaimed_at: float | None = None  # when the policy ended this stream
     _left: bool = False
@@ -130,6 +143,11 @@ class Ticket:
     @property
     def kv_bytes(self) -> int:
         return self.positions * self.admission.bytes_per_token
+
+    def attach(self, control: StreamControl) -> None:
+        """The stream's handler hands over how its stream is ended, once, before any work."""
+        assert self.control is None and not self._left, "a ticket's control is attached once"
+        self.control = control
 
     def touch(self) -> None:
         """A message arrived on the stream."""
@@ -168,7 +186,8 @@ class Ticket:
         self.admission._reserve(self, committed_len)
 
     def leave(self) -> None:
-        """The stream ended: its quota place is free."""
+        """The stream ended: its quota place is free, and nothing may end it any more."""
+        self.control = None
         if not self._left:
             self._left = True
             self.admission._leave(self)
@@ -422,7 +441,7 @@ class Admission:
             t
             for t in self.tickets
             if t is not exclude
-            and t.end is not None
+            and t.control is not None
             and not t.reclaimed
             and t.busy == 0
             and t.active < idle_since
@@ -475,7 +494,7 @@ class Admission:
         )
         ticket.reclaimed_at = time.monotonic()
         self.reclaims += 1
-        ticket.end()
+        ticket.control.reclaim()
 
     def retry_after_ms(self, floor_ms: int = 100, ceiling_ms: int = 30_000) -> int:
         """When a reservation is likely to end: the oldest session's expected end, by the mean
@@ -488,7 +507,7 @@ class Admission:
         if opened:
             due.append(min(opened) + self.mean_session_s - now)
         if self.reclaim_after_s is not None:
-            idle = [t.active for t in self.tickets if t.end is not None and not t.busy]
+            idle = [t.active for t in self.tickets if t.control is not None and not t.busy]
             if idle:
                 due.append(min(idle) + self.reclaim_after_s - now)
         if not due:

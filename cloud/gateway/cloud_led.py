@@ -151,14 +151,24 @@ class _Due:
         return max(0.0, self.since + WAIT_SHARE * step_ms / 1e3 - now)
 
 
+class ReadingTail:
+    """Where a cloud-led loop that ran to its end leaves its reader, still reading (and
+    dropping) the client's late Drafts until the half-close. The servicer's dispatcher hands
+    one in; the servicer awaits ``reader`` (cloud.gateway.messages.until_half_close) once
+    Finished is sent and the session is freed."""
+
+    def __init__(self) -> None:
+        self.reader: asyncio.Task | None = None  # None: nothing reads the stream any more
+
+
 async def cloud_led_rounds(
-    step: Round, messages, handover: Handover | None = None
+    step: Round, messages, tail: ReadingTail, handover: Handover | None = None
 ) -> AsyncIterator[pb.Verdict]:
-    """Verdicts of a cloud-led session, one per target step, until generation ends; from a
-    lock-step session's ``handover`` (cloud.gateway.handover): its lead Draft is verified by the
-    first step; where the server took the lead, the read of the first Draft still under way is
-    the reader's first read, a lead Draft sent before the client heard of the switch is read as
-    an ordinary one, and the first Verdict says Verdict.led."""
+    """Verdicts of a cloud-led session, one per target step, until generation ends, its reader
+    then left in ``tail``; from a lock-step session's ``handover`` (cloud.gateway.handover): its
+    lead Draft is verified by the first step; where the server took the lead, the read of the
+    first Draft still under way is the reader's first read, a lead Draft sent before the client
+    heard of the switch is read as an ordinary one, and the first Verdict says Verdict.led."""
     first = handover.lead if handover is not None else None
     reading = handover.reading if handover is not None else None
     session = step.session
@@ -244,7 +254,7 @@ async def cloud_led_rounds(
         # with no step left to wait for.
         credit[0] = 1 << 62
         stepped.set()
-        session.reader = reader
+        tail.reader = reader
     finally:
         session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)
         session.drafts_used = pool.used

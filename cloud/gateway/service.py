@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -33,7 +33,7 @@ from specsplit.cloud.gateway.admission import (
     Refused,
     Ticket,
 )
-from specsplit.cloud.gateway.cloud_led import cloud_led_rounds
+from specsplit.cloud.gateway.cloud_led import ReadingTail, cloud_led_rounds
 from specsplit.cloud.gateway.cloud_only import cloud_only_rounds
 from specsplit.cloud.gateway.handover import Handover
 from specsplit.cloud.gateway.health import update_health, watch_health
@@ -140,11 +140,10 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 await before_refusing(requests)
             await self._refuse(context, client, e)
         handler = asyncio.current_task()
-        ticket.end_stream = lambda code, details: self._end(ticket, handler, context, code, details)
-        # the reclaim policy's: only ever while idle (cloud.gateway.admission)
-        ticket.end = lambda: ticket.end_stream(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
+        ticket.attach(StreamHandle(ticket, handler, context, self._background))
         lease = Lease(self.replicas, self._sequences(client))
         messages, session = _Marked(requests.__aiter__(), ticket), None
+        tail = ReadingTail()  # a cloud-led loop leaves its reader here, still reading
         try:
             first = await next_message(messages, self.policy.start_timeout_s, "Start")
             if first is not None:  # else the client half-closed without a Start
@@ -169,7 +168,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 reserve = lambda n: self._reserve(ticket, lease, n)  # noqa: E731
                 step = Round(session, lease, self.steps, ticket.working, reserve)
                 lead_after_s = started.lead_after_ms / 1e3
-                async for verdict in self._rounds(mode, step, messages, lead_after_s):
+                async for verdict in self._rounds(mode, step, messages, lead_after_s, tail):
                     with self._sending(ticket):
                         yield pb.ServerMessage(verdict=verdict)
                 with self._sending(ticket):
@@ -188,29 +187,20 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 raise  # the client cancelled, the server stops, or a send stalled (_end)
             if handler.cancelling():
                 handler.uncancel()
-            session = None  # nothing more to read: the stream ends now
+            tail.reader = None  # nothing more to read: the stream ends now
             if context.code() is None:  # else _end sent it, from outside a stuck send
                 await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         finally:
-            ticket.end = None
-            ticket.leave()
+            ticket.leave()  # drops its StreamHandle: nothing ends this stream from outside now
             self._release(lease, ticket)
-        reader = session.reader if session is not None else None  # cloud-led: still reading
-        await until_half_close(requests, self.policy.half_close_grace_s, reader)
+        # A cloud-led loop's reader reads on until the half-close; else read here until then
+        await until_half_close(requests, self.policy.half_close_grace_s, tail.reader)
 
     async def _refuse(self, context, client: str | None, e: Refused) -> None:
         """Ends a stream with RESOURCE_EXHAUSTED; its client is held to the retry hint."""
         self.gate.told(client, e.retry_after_ms)
         self.metrics.refused_stream(e.reason)
         await context.abort(*_status(e))
-
-    def _end(self, ticket: Ticket, handler: asyncio.Task, context, code, details: str) -> None:
-        """Ends a stream from outside its handler: the reclaim policy, a send that stalled."""
-        if ticket.in_send:
-            # Cancelled inside gRPC's send, the handler can no longer send a status: sent from
-            # here, it reaches the client behind the messages it has not read yet.
-            self._background(_abort(context, code, details))
-        handler.cancel()
 
     def _background(self, coro) -> None:
         # Not among the tasks close() waits for: a status behind unread messages may never go.
@@ -219,17 +209,17 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         task.add_done_callback(self._ending.discard)
 
     async def _rounds(
-        self, mode: SessionMode, step: Round, messages, lead_after_s: float
+        self, mode: SessionMode, step: Round, messages, lead_after_s: float, tail: ReadingTail
     ) -> AsyncIterator[pb.Verdict]:
         """The session's mode switch, the one place a mode meets its loop: a lock-step loop
         ends in a Handover (cloud.gateway.handover) when the session goes on cloud-led; the
-        switch is one way."""
+        switch is one way. A cloud-led loop leaves its still-reading reader in ``tail``."""
         handover: Handover | None = None
         while True:
             if mode is SessionMode.CLOUD_ONLY:
                 rounds = cloud_only_rounds(step, messages)
             elif mode is SessionMode.CLOUD_LED:
-                rounds = cloud_led_rounds(step, messages, handover)
+                rounds = cloud_led_rounds(step, messages, tail, handover)
             else:
                 idle_s = self.policy.idle_timeout_s
                 rounds = lockstep_rounds(step, messages, idle_s, lead_after_s)
@@ -250,7 +240,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         control holds the send) has its stream ended, like one that writes nothing."""
         idle_s = self.policy.idle_timeout_s
         stalled = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the client read nothing for {idle_s:g} s")
-        timer = asyncio.get_running_loop().call_later(idle_s, ticket.end_stream, *stalled)
+        timer = asyncio.get_running_loop().call_later(idle_s, ticket.control.end, *stalled)
         try:
             with ticket.sending():
                 yield
@@ -328,6 +318,33 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             lead_after_ms=lead_after_ms(follows_lead, mode, step_ms),
             setup_ms=(time.perf_counter() - t_start) * 1e3,
         )
+
+
+class StreamHandle:
+    """One stream's handler task and call context: ends the stream from outside the handler,
+    for the reclaim policy (``reclaim``) and for a send that stalled (``end``). What a ticket
+    holds (cloud.gateway.admission.StreamControl), so admission never reaches the servicer."""
+
+    def __init__(
+        self,
+        ticket: Ticket,
+        handler: asyncio.Task,
+        context,
+        background: Callable[[Awaitable[None]], None],
+    ):
+        self.ticket, self.handler, self.context = ticket, handler, context
+        self.background = background  # runs a status send outside the handler
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        if self.ticket.in_send:
+            # Cancelled inside gRPC's send, the handler can no longer send a status: sent from
+            # here, it reaches the client behind the messages it has not read yet.
+            self.background(_abort(self.context, code, details))
+        self.handler.cancel()
+
+    def reclaim(self) -> None:
+        # only ever while the stream is idle (cloud.gateway.admission)
+        self.end(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
 
 
 class _Marked:

@@ -7,7 +7,6 @@ discarded here, never reach the client, and are not counted as accepted.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,7 +86,6 @@ class GatewaySession:
     rounds: int = 0
     drafts_dropped: int = 0  # cloud-led: Drafts never verified
     drafts_used: int = 0
-    reader: asyncio.Task | None = None  # cloud-led: reads the stream until the half-close
 
     def __post_init__(self) -> None:
         self.committed = list(self.prompt)

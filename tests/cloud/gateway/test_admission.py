@@ -25,6 +25,7 @@ from specsplit.cloud.gateway.admission import (
 from specsplit.cloud.gateway.security import Security, client_key
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from specsplit.shared.tiny import make_tiny_qwen2
+from tests.cloud.gateway.fakes import FakeControl
 from tests.fakes import gateway, stream_end
 
 KV = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # the tiny test model: 512 B
@@ -306,7 +307,7 @@ def _stream(admission: Admission, ended: list, idle_s: float, started: bool = Tr
     ticket = admission.enter(None)
     ticket.started = started
     ticket.active -= idle_s
-    ticket.end = lambda: ended.append(ticket)
+    ticket.attach(FakeControl(ended, ticket))
     return ticket
 
 
@@ -324,7 +325,7 @@ def test_a_full_server_ends_streams_without_start_first_then_the_least_recently_
     assert ended == [silent] and admission.reclaims == 1
     silent.leave()
     fresh = admission.enter(None)
-    fresh.end = lambda: ended.append(fresh)  # just opened: within its grace
+    fresh.attach(FakeControl(ended, fresh))  # just opened: within its grace
     with pytest.raises(Reclaiming):
         admission.enter(None)
     assert ended == [silent, oldest]
@@ -338,7 +339,7 @@ def test_streams_within_the_grace_or_at_work_are_never_reclaimed():
     ended: list = []
     _stream(admission, ended, idle_s=0.5)  # within its grace
     verifying = _stream(admission, ended, idle_s=10)
-    unowned = admission.enter(None)  # no way to end it (no handler set one): never reclaimed
+    unowned = admission.enter(None)  # no way to end it (no control attached): never reclaimed
     unowned.active -= 10
     with verifying.working():  # a verification in flight, however long it has taken
         verifying.active -= 10
@@ -352,6 +353,24 @@ def test_streams_within_the_grace_or_at_work_are_never_reclaimed():
         verifying.active -= 10
         admission.enter(None)
     assert ended == [verifying]
+
+
+def test_the_reclaim_policy_reaches_a_stream_only_through_its_control():
+    """Admission ends a stream by its StreamControl's reclaim, once; a stream that left has
+    none, so nothing ends it from outside any more; a control is attached once."""
+    admission = Admission(max_sessions=2, reclaim_after_s=1.0)
+    idle, control = admission.enter(None), FakeControl()
+    idle.attach(control)
+    idle.active -= 5
+    with pytest.raises(AssertionError, match="attached once"):
+        idle.attach(FakeControl())
+    admission.enter(None)  # the last place: no reclaim for this one
+    assert control.calls == []
+    with pytest.raises(Reclaiming):  # full: the idle stream is reclaimed
+        admission.enter(None)
+    assert control.calls == ["reclaim"] and idle.reclaimed
+    idle.leave()
+    assert idle.control is None and admission.open == 1
 
 
 def test_without_a_grace_idle_streams_keep_their_places():
@@ -394,7 +413,7 @@ def test_kv_budget_reclaims_the_fewest_idle_sessions_that_make_room():
         s.reserve(100)
     silent = _stream(admission, ended, idle_s=50, started=False)  # holds no KV: no help here
     newcomer = admission.enter(None)
-    newcomer.end = lambda: ended.append(newcomer)
+    newcomer.attach(FakeControl(ended, newcomer))
     newcomer.active -= 100  # idle as can be, yet never reclaimed for its own Start
     with pytest.raises(Reclaiming):
         newcomer.reserve(200)  # 256 positions: two sessions' worth

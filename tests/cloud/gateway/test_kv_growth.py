@@ -22,6 +22,7 @@ from specsplit.cloud.gateway.admission import (
 )
 from specsplit.edge.client import GenerationConfig, SpecsplitError, SplitClient
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+from tests.cloud.gateway.fakes import FakeControl
 from tests.fakes import SlowDrafter, gateway
 
 KV = KVShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # the tiny test model: 512 B
@@ -47,10 +48,11 @@ def test_a_growth_that_does_not_fit_reclaims_idle_sessions_first_then_names_a_re
     ended: list = []
     idle = admission.enter(None)
     idle.reserve(100)  # 128 positions
-    idle.started, idle.end = True, lambda: ended.append(idle)
+    idle.started = True
+    idle.attach(FakeControl(ended, idle))
     busy = admission.enter(None)
     busy.reserve(100)  # 128 positions, at work: never reclaimed
-    busy.end = lambda: ended.append(busy)
+    busy.attach(FakeControl(ended, busy))
     growing = admission.enter(None)
     growing.reserve(3)  # 64 positions: the budget is full
     idle.active -= 5  # idle beyond its grace

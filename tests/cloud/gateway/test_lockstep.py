@@ -12,29 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from specsplit.cloud.gateway import service
+from specsplit.cloud.gateway.cloud_led import ReadingTail
 from specsplit.cloud.gateway.handover import Handover, PendingDraft
 from specsplit.cloud.gateway.lockstep import lockstep_rounds
-from specsplit.cloud.gateway.session import Finish
+from specsplit.cloud.gateway.session import Code, Finish, ProtocolError
 from specsplit.shared.protocol import pb
 from specsplit.shared.session_mode import SessionMode
-
-
-class FakeRound:
-    """Verifies every draft as accepted, answers token 7; finishes after ``steps`` steps."""
-
-    def __init__(self, steps: int = 10) -> None:
-        self.session = SimpleNamespace(finish=Finish.NONE)
-        self.verified: list[list[int]] = []
-        self.steps = steps
-
-    def check(self, draft, exact_base=True):
-        return None
-
-    async def verdict(self, tokens, q, t0):
-        self.verified.append(list(tokens))
-        if len(self.verified) >= self.steps:
-            self.session.finish = Finish.LENGTH
-        return pb.Verdict(accepted=len(tokens), token=7, has_token=True)
+from tests.cloud.gateway.fakes import FakeClient, FakeRound
 
 
 async def _messages(*drafts: pb.Draft, hold: asyncio.Event | None = None):
@@ -89,7 +73,7 @@ def test_no_first_draft_in_time_hands_the_pending_read_over():
 
 def test_first_draft_in_time_stays_lock_step():
     async def main():
-        step = FakeRound(steps=2)
+        step = FakeRound(finish_after=2)
         drafts = (pb.Draft(round=1, base_len=3, tokens=[1]), pb.Draft(round=2, base_len=5))
         out = await _all(lockstep_rounds(step, _messages(*drafts), 5.0, lead_after_s=5.0))
         assert [type(x) for x in out] == [pb.Verdict, pb.Verdict]
@@ -113,6 +97,7 @@ def test_the_dispatcher_switches_once_on_a_handover(monkeypatch, mode, ends_in_h
     ran: list[str] = []
     handover = Handover(lead=PendingDraft(4, 10, [1, 2], None))
     received: list = []
+    handed_tail = ReadingTail()
 
     async def lockstep(step, messages, idle_s, lead_after_s):
         ran.append("lockstep")
@@ -120,7 +105,8 @@ def test_the_dispatcher_switches_once_on_a_handover(monkeypatch, mode, ends_in_h
         if ends_in_handover:
             yield handover
 
-    async def cloud_led(step, messages, given=None):
+    async def cloud_led(step, messages, tail, given=None):
+        assert tail is handed_tail  # the servicer's: where the loop leaves its reader
         ran.append("cloud_led")
         received.append(given)
         yield pb.Verdict(round=2, led=given is not None and given.server_led)
@@ -135,7 +121,7 @@ def test_the_dispatcher_switches_once_on_a_handover(monkeypatch, mode, ends_in_h
     servicer = SimpleNamespace(policy=SimpleNamespace(idle_timeout_s=5.0))
 
     async def main():
-        rounds = service.SpeculativeService._rounds(servicer, mode, None, None, 0.0)
+        rounds = service.SpeculativeService._rounds(servicer, mode, None, None, 0.0, handed_tail)
         return await _all(rounds)
 
     out = asyncio.run(main())
@@ -144,3 +130,30 @@ def test_the_dispatcher_switches_once_on_a_handover(monkeypatch, mode, ends_in_h
     assert len(out) == len(loops)
     if "cloud_led" in ran:
         assert received == [handover if mode is SessionMode.LOCK_STEP else None]
+
+
+def test_a_finish_or_a_half_close_ends_lock_step_rounds():
+    async def main():
+        finished, client = FakeRound(), FakeClient()
+        client.send(pb.Draft(round=1, base_len=3, tokens=[1]), pb.Finish())
+        out = await _all(lockstep_rounds(finished, client, 5.0))
+        assert len(out) == 1 and finished.session.finish is Finish.CANCELLED
+        closed, client = FakeRound(), FakeClient()
+        client.send(pb.Draft(round=1, base_len=3, tokens=[1]))
+        client.close()
+        out = await _all(lockstep_rounds(closed, client, 5.0))
+        assert len(out) == 1 and closed.session.finish is Finish.NONE
+
+    asyncio.run(main())
+
+
+def test_a_client_silent_past_the_idle_timeout_is_ended():
+    async def main():
+        step, client = FakeRound(), FakeClient()
+        client.send(pb.Draft(round=1, base_len=3, tokens=[1]))  # then nothing
+        with pytest.raises(ProtocolError) as refused:
+            await _all(lockstep_rounds(step, client, idle_s=0.01))
+        assert refused.value.code is Code.DEADLINE_EXCEEDED
+        assert step.verified == [[1]]
+
+    asyncio.run(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specsplit.cloud.gateway.admission import Admission, Refused
+from tests.cloud.gateway.fakes import FakeControl
 
 
 def test_streams_not_yet_admitted_count_for_the_hint():
@@ -14,7 +15,7 @@ def test_streams_not_yet_admitted_count_for_the_hint():
     is their sessions' expected end, not the reclaim grace (5 s) of streams just opened."""
     admission = Admission(max_sessions=2)
     for _ in range(2):
-        admission.enter(None).end = lambda: None
+        admission.enter(None).attach(FakeControl())
     with pytest.raises(Refused) as refused:
         admission.enter(None)
     assert refused.value.retry_after_ms <= 1000  # the mean session: 1 s until one has ended
