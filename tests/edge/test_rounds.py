@@ -24,13 +24,12 @@ class FakeStream:
     def __init__(self, cfg: GenerationConfig, runs: SessionMode) -> None:
         self.cfg, self.runs = cfg, runs
         self.seed = None
-        self.committed = [1, 2, 3]
         self.max_new_tokens = cfg.max_new_tokens
         self.stats = GenerationStats(route="split")
         self.asked: SessionMode | None = None
-        self.finished = False
+        self.finished: int | None = None  # the committed_len Finished was checked against
 
-    async def start(self, mode, fingerprint, follows_lead) -> None:
+    async def start(self, prompt, mode, fingerprint, follows_lead) -> None:
         self.asked = mode
 
     async def started(self) -> pb.Started:
@@ -40,8 +39,8 @@ class FakeStream:
         started.model.vocab_size = 100
         return started
 
-    async def finish(self) -> None:
-        self.finished = True
+    async def finish(self, committed_len: int) -> None:
+        self.finished = committed_len
 
 
 PROPOSER = SimpleNamespace(
@@ -68,18 +67,18 @@ def test_the_dispatcher_switches_once_on_a_handover(
     received: list = []
     handover = Handover(2, Block([8, 9], None), 40, DraftLength(4))
 
-    async def lockstep(stream, proposer, rule, plan, started, first):
+    async def lockstep(stream, committed, proposer, rule, plan, started, first):
         ran.append("lockstep")
         assert first[0].tokens == [5]  # the block drafted while the cloud prefilled
-        stream.committed += [5, 6]
+        committed.tokens += [5, 6]
         yield [5, 6]
         if hands_over:
             yield handover
 
-    async def cloud_led(stream, proposer, rule, plan, started, given=None):
+    async def cloud_led(stream, committed, proposer, rule, plan, started, given=None):
         ran.append("cloud_led")
         received.append(given)
-        stream.committed += [7]
+        committed.tokens += [7]
         yield [7]
 
     monkeypatch.setattr(dispatcher, "lockstep_rounds", lockstep)
@@ -88,12 +87,14 @@ def test_the_dispatcher_switches_once_on_a_handover(
     stream = FakeStream(cfg, runs)
 
     async def main():
-        return [c async for c in dispatcher.run_rounds(stream, PROPOSER, SessionPlan.of(cfg))]
+        plan = SessionPlan.of(cfg)
+        return [c async for c in dispatcher.run_rounds(stream, PROPOSER, plan, [1, 2, 3])]
 
     chunks = asyncio.run(main())
     assert ran == loops
     assert all(isinstance(c, list) for c in chunks)  # the Handover never reaches the caller
-    assert stream.finished
+    # one Committed through every loop the dispatcher ran, checked by Finished
+    assert stream.finished == 3 + sum(len(c) for c in chunks)
     if "cloud_led" in ran:
         assert received == [handover if runs is SessionMode.LOCK_STEP else None]
 
@@ -101,8 +102,9 @@ def test_the_dispatcher_switches_once_on_a_handover(
 def test_cloud_only_runs_its_loop(monkeypatch):
     ran = []
 
-    async def cloud_only(stream):
+    async def cloud_only(stream, committed):
         ran.append("cloud_only")
+        committed.tokens += [4]
         yield [4]
 
     monkeypatch.setattr(dispatcher, "cloud_only_rounds", cloud_only)
@@ -111,6 +113,6 @@ def test_cloud_only_runs_its_loop(monkeypatch):
 
     async def main():
         plan = SessionPlan.of(cfg, cloud_only=True)
-        return [c async for c in dispatcher.run_rounds(stream, None, plan)]
+        return [c async for c in dispatcher.run_rounds(stream, None, plan, [1, 2, 3])]
 
     assert asyncio.run(main()) == [[4]] and ran == ["cloud_only"]
