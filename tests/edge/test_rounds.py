@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from specsplit.edge import rounds as dispatcher
@@ -116,3 +117,30 @@ def test_cloud_only_runs_its_loop(monkeypatch):
         return [c async for c in dispatcher.run_rounds(stream, None, plan, [1, 2, 3])]
 
     assert asyncio.run(main()) == [[4]] and ran == ["cloud_only"]
+
+
+def test_a_goodbye_lost_after_the_final_verdict_ends_the_generation(monkeypatch):
+    """Every token came with a final Verdict that agreed: a stream that breaks before Finished
+    ends the generation with that Verdict's reason, not an error (nor a re-open)."""
+
+    async def cloud_only(stream, committed):
+        v = pb.Verdict(token=4, has_token=True, committed_len=4, finished=True, reason=1)
+        committed.commit([4], v)
+        yield [4]
+
+    class Broken(FakeStream):
+        async def finish(self, committed_len: int) -> None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+            )
+
+    monkeypatch.setattr(dispatcher, "cloud_only_rounds", cloud_only)
+    cfg = GenerationConfig(max_new_tokens=8)
+    stream = Broken(cfg, SessionMode.CLOUD_ONLY)
+
+    async def main():
+        plan = SessionPlan.of(cfg, cloud_only=True)
+        return [c async for c in dispatcher.run_rounds(stream, None, plan, [1, 2, 3])]
+
+    assert asyncio.run(main()) == [[4]]
+    assert stream.stats.finish == "EOS"
