@@ -151,8 +151,9 @@ class SplitClient:
         return Generation(self._with_retries(list(prompt_ids), cfg, stats, route), stats)
 
     async def _edge_only(self, prompt, cfg, stats) -> AsyncIterator[list[int]]:
-        stats.seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
-        rng = round_rng(stats.seed, "edge-only", len(prompt))
+        seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
+        stats.observe_started(None, seed)  # no stream: no round trip, the edge's own seed
+        rng = round_rng(seed, "edge-only", len(prompt))
         tokens = generate_edge_only(
             self.drafter, prompt, cfg.sampling, cfg.max_new_tokens, rng, frozenset(cfg.stop_ids)
         )
@@ -185,7 +186,7 @@ class SplitClient:
                     yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                # (a goodbye lost after the final Verdict never gets here: edge.rounds)
+                # Never after the final Verdict: edge.rounds ends a stream whose goodbye is lost.
                 if not (self._reached or stream.reached) and refused_at_handshake(e):
                     # A configuration error, not an outage: retrying cannot help.
                     raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None

@@ -143,9 +143,9 @@ class GenerationStats:
     # methods (or, for the chunks, ``Generation``; for retries, edge.client), never field by
     # field, so that what a field counts is decided in one place.
 
-    def observe_started(self, rtt_ms: float, seed: int) -> None:
+    def observe_started(self, rtt_ms: float | None, seed: int) -> None:
         """Started (edge.stream): Start's round trip, the server's part taken out, and the seed
-        in force."""
+        in force; edge-only, which opens no stream, reports its own seed and no round trip."""
         self.start_rtt_ms, self.seed = rtt_ms, seed
 
     def observe_finished(
