@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 
 from specsplit.edge.drafting import Block, DraftRule
-from specsplit.edge.generation import GenerationStats
+from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
@@ -57,7 +57,8 @@ class FakeProposer:
 
 
 class FakeCloudStream:
-    """What the loops see of a stream (``stats``, ``send``, ``recv``), with a greedy cloud at
+    """What the loops see of a stream (``stats``, ``send``, ``recv``; edge.rounds also opens
+    and finishes it), with a greedy cloud at
     its far end: lock-step (a Verdict per Draft) until a Draft leads, or, with ``cloud_leads``,
     until the first Draft, which the cloud then takes the lead on itself (Verdict.led); then
     cloud-led: a step per ``recv``, verifying the latest Draft that fits the committed prefix.
@@ -73,6 +74,10 @@ class FakeCloudStream:
         fail_at: int | None = None,
     ) -> None:
         self.stats = GenerationStats(route="split")
+        # what edge.rounds reads of a stream
+        self.cfg = GenerationConfig(max_new_tokens=new_tokens, max_draft_tokens=max_draft_tokens)
+        self.seed, self.max_new_tokens = None, new_tokens
+        self.finished = False
         self.mode, self.cloud_leads, self.fail_at = mode, cloud_leads, fail_at
         self.limit = max_draft_tokens
         self.committed_len = len(PROMPT)
@@ -83,7 +88,18 @@ class FakeCloudStream:
         self.queue: asyncio.Queue[pb.Verdict] = asyncio.Queue()  # lock-step Verdicts to read
         self.drafted = asyncio.Event()  # a Draft came since the last cloud-led step
 
-    def started(self) -> pb.Started:
+    async def start(self, prompt, mode, draft_tokenizer=None, follows_lead=False) -> None:
+        assert list(prompt) == PROMPT and mode is self.mode
+
+    async def started(self) -> pb.Started:
+        self.stats.observe_started(0.0, 0)
+        return self.started_message()
+
+    async def finish(self, committed_len: int) -> None:
+        assert committed_len == self.committed_len, "Finished's committed_len differs"
+        self.finished = True
+
+    def started_message(self) -> pb.Started:
         started = pb.Started(session_mode=SESSION_MODE_TO_PB[self.mode], accepts_lead=True)
         started.max_new_tokens = self.end - len(PROMPT)
         started.limits.max_draft_tokens = self.limit

@@ -26,7 +26,7 @@ N = 31
 
 
 async def _collect(stream, seq, plan_) -> list[list[int]]:
-    rounds = cloud_led_rounds(stream, seq, FakeProposer(), GREEDY, plan_, stream.started())
+    rounds = cloud_led_rounds(stream, seq, FakeProposer(), GREEDY, plan_, stream.started_message())
     return [c async for c in rounds]
 
 
@@ -66,7 +66,12 @@ def test_a_verdict_out_of_step_fails_the_stream_before_its_chunk_is_handed_on():
 
     async def main():
         rounds = cloud_led_rounds(
-            stream, seq, FakeProposer(), GREEDY, plan(SessionMode.CLOUD_LED), stream.started()
+            stream,
+            seq,
+            FakeProposer(),
+            GREEDY,
+            plan(SessionMode.CLOUD_LED),
+            stream.started_message(),
         )
         async for c in rounds:
             chunks.append(c)

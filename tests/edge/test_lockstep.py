@@ -31,7 +31,7 @@ N = 23
 async def _rounds(stream, seq, plan_, handover_plan=None):
     """The lock-step loop's chunks, then, after a Handover, the cloud-led loop's (as the
     dispatcher, edge.rounds, runs them); returns the chunks and the Handover, if any."""
-    started = stream.started()
+    started = stream.started_message()
     chunks, handover = [], None
     async for out in lockstep_rounds(stream, seq, FakeProposer(), GREEDY, plan_, started, None):
         if isinstance(out, Handover):
@@ -119,7 +119,7 @@ def test_a_verdict_out_of_step_fails_the_stream_before_its_chunk_is_handed_on():
 
     async def main():
         rounds = lockstep_rounds(
-            stream, seq, FakeProposer(), GREEDY, plan(), stream.started(), None
+            stream, seq, FakeProposer(), GREEDY, plan(), stream.started_message(), None
         )
         async for out in rounds:
             chunks.append(out)

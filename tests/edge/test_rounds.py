@@ -16,6 +16,7 @@ from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block
 from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.handover import Handover
+from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
 from specsplit.shared.session_mode import SessionMode
@@ -144,3 +145,25 @@ def test_a_goodbye_lost_after_the_final_verdict_ends_the_generation(monkeypatch)
 
     assert asyncio.run(main()) == [[4]]
     assert stream.stats.finish == "EOS"
+
+
+def test_the_real_loops_through_the_dispatcher_hand_over_without_losing_a_token(monkeypatch):
+    """edge.rounds with the real lock-step and cloud-led loops against an in-memory greedy
+    cloud (tests.edge.fake_cloud): one Committed through both, checked by Finished."""
+    from tests.edge.fake_cloud import PROMPT, FakeCloudStream, FakeProposer, expected
+
+    asked = []
+    monkeypatch.setattr(
+        LeadChoice, "should_lead", lambda choice, k: asked.append(k) or len(asked) == 3
+    )
+    n = 29
+    stream = FakeCloudStream(n)
+    plan = SessionPlan.of(GenerationConfig(max_new_tokens=n))  # auto: may hand over
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, FakeProposer(), plan, PROMPT)]
+
+    chunks = asyncio.run(main())
+    assert sum(chunks, []) == expected(n)  # neither lost nor handed on twice
+    assert stream.finished and stream.stats.lead_round == 3
+    assert set(stream.stats.mode_passes) == {"lock-step", "cloud-led"}
