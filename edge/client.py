@@ -151,8 +151,9 @@ class SplitClient:
         return Generation(self._with_retries(list(prompt_ids), cfg, stats, route), stats)
 
     async def _edge_only(self, prompt, cfg, stats) -> AsyncIterator[list[int]]:
-        stats.seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
-        rng = round_rng(stats.seed, "edge-only", len(prompt))
+        seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
+        stats.observe_started(None, seed)  # no stream: no round trip, the edge's own seed
+        rng = round_rng(seed, "edge-only", len(prompt))
         tokens = generate_edge_only(
             self.drafter, prompt, cfg.sampling, cfg.max_new_tokens, rng, frozenset(cfg.stop_ids)
         )
@@ -162,11 +163,11 @@ class SplitClient:
             await asyncio.sleep(0)  # let other tasks run between tokens
         # Same reasons as the cloud reports, checked in the same order.
         if last in self.drafter.eos_token_ids:
-            stats.finish = "EOS"
+            stats.observe_finished("EOS")
         elif last in cfg.stop_ids:
-            stats.finish = "STOP_TOKEN"
+            stats.observe_finished("STOP_TOKEN")
         else:
-            stats.finish = "LENGTH"
+            stats.observe_finished("LENGTH")
 
     async def _with_retries(self, prompt, cfg, stats, route) -> AsyncIterator[list[int]]:
         """Runs the session; after UNAVAILABLE, or RESOURCE_EXHAUSTED with a retry hint, re-opens
@@ -177,17 +178,15 @@ class SplitClient:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
             plan = SessionPlan.of(cfg, route == CLOUD_ONLY, self._link)
             # A re-open sends the seed the first Started reported: sampling resumes unchanged.
-            stream = Stream(self._stub, self.metadata, cfg, stats, committed, remaining, stats.seed)
+            stream = Stream(self._stub, self.metadata, cfg, stats, remaining, stats.seed)
             try:
-                async for chunk in run_rounds(stream, self.proposer, plan):
+                async for chunk in run_rounds(stream, self.proposer, plan, committed):
                     committed += chunk
                     backoff.progress()
                     yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                if stream.final:  # everything arrived; only the goodbye was lost
-                    stats.finish = stats.finish or stream.final
-                    return
+                # Never after the final Verdict: edge.rounds ends a stream whose goodbye is lost.
                 if not (self._reached or stream.reached) and refused_at_handshake(e):
                     # A configuration error, not an outage: retrying cannot help.
                     raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None

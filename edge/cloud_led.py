@@ -36,8 +36,9 @@ import numpy as np
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.handover import Handover
-from specsplit.edge.mode_switch import CLOUD_LED, count_pass
+from specsplit.edge.mode_switch import CLOUD_LED
 from specsplit.edge.proposer import Proposer
+from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
 from specsplit.edge.worker import Worker
@@ -170,6 +171,7 @@ class _Reach:
 
 async def cloud_led_rounds(
     stream: Stream,
+    committed: Committed,
     proposer: Proposer,
     rule: DraftRule,
     plan: SessionPlan,
@@ -185,15 +187,15 @@ async def cloud_led_rounds(
     if plan.adaptive:
         limit = started.limits.max_draft_tokens
         lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
-        reach = _Reach(max_draft_tokens, limit, *lead, stream.stats.start_rtt_ms, started.step_ms)
+        reach = _Reach(max_draft_tokens, limit, *lead, stats.start_rtt_ms, started.step_ms)
     verdicts: asyncio.Queue = asyncio.Queue()
     led = handover.led if handover is not None else None
     if led is not None:
         verdicts.put_nowait(led)
     over = led is not None and led.finished  # the final Verdict, read already: none to receive
     receiver = asyncio.create_task(asyncio.sleep(0) if over else _receive(stream, verdicts))
-    spec = _Speculation(handover.block if handover else None, len(stream.committed))
-    drafts = _Drafts(stream, started, handover)
+    spec = _Speculation(handover.block if handover else None, len(committed))
+    drafts = _Drafts(stream, committed, started, handover)
     paused, hint = 0, max_draft_tokens
     after_rejection = False  # the previous Verdict corrected a draft
     stale_from = 0  # Verdict.drafts_dropped when drafting last (re)started
@@ -209,7 +211,7 @@ async def cloud_led_rounds(
             # before one arrives: the edge drafts nothing then, as if paused.
             idle = paused != 0 or (reach is not None and reach.out_of_reach())
             if worker is None and not idle and len(spec.tokens) < want:
-                prefix = [*stream.committed, *spec.tokens]
+                prefix = [*committed.tokens, *spec.tokens]
                 worker = Worker(proposer.next_token, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}
@@ -217,7 +219,7 @@ async def cloud_led_rounds(
             if worker is not None and worker.future.done():
                 token, q = await worker.result()
                 worker = None
-                if prefix == [*stream.committed, *spec.tokens]:  # no verdict moved it meanwhile
+                if prefix == [*committed.tokens, *spec.tokens]:  # no verdict moved it meanwhile
                     spec.add(token, q)
                     if not await drafts.send(spec):
                         paused = -1  # no more drafting on this stream
@@ -231,13 +233,11 @@ async def cloud_led_rounds(
                     raise v
                 now = time.perf_counter()
                 chunk, offset = drafts.apply(v)
-                step = stream.observe(v, 0.0, (now - t_prev) * 1e3)
-                count_pass(stats, CLOUD_LED, len(chunk), (now - t_prev) * 1e3)
+                step = stats.observe_round(v, (now - t_prev) * 1e3, draft_ms=0.0)
+                stats.observe_pass(CLOUD_LED, len(chunk), (now - t_prev) * 1e3)
                 # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
-                stats.cloud_took_lead |= v.led
-                if after_rejection:
-                    stats.passes_after_rejection += 1
-                    stats.draftless_after_rejection += step.drafted == 0
+                stats.observe_lead(0, by_cloud=v.led)
+                stats.observe_cloud_led_pass(step, after_rejection)
                 after_rejection = v.has_token and step.accepted < step.drafted
                 if reach is not None:
                     reach.observe(offset, step.drafted, step.accepted, now, len(chunk))
@@ -246,7 +246,7 @@ async def cloud_led_rounds(
                 remaining -= len(chunk)
                 if v.HasField("max_draft_tokens_hint") and plan.follow_hint:
                     hint = v.max_draft_tokens_hint
-                    stats.max_draft_tokens_hint.append(hint)
+                    stats.observe_hint(hint)
                 before, paused = paused, _pause(stats, paused, v.drafts_dropped - stale_from)
                 if before and not paused:  # drafting resumes: stale Drafts count afresh
                     stale_from = v.drafts_dropped
@@ -259,7 +259,7 @@ async def cloud_led_rounds(
         if worker is not None:
             await worker.join()
         receiver.cancel()
-        stats.drafts_sent += drafts.round - drafts.first_round
+        stats.observe_drafts_sent(drafts.delivered)
 
 
 async def _receive(stream: Stream, verdicts: asyncio.Queue) -> None:
@@ -278,21 +278,28 @@ class _Drafts:
     """The Drafts sent (round -> base_len and tokens, the last SENT_KEPT) to read Verdicts
     against, and the round of the last one."""
 
-    def __init__(self, stream: Stream, started: pb.Started, handover: Handover | None):
-        self.stream = stream
+    def __init__(
+        self,
+        stream: Stream,
+        committed: Committed,
+        started: pb.Started,
+        handover: Handover | None,
+    ):
+        self.stream, self.committed = stream, committed
         self.rejection = started.verification == pb.VERIFICATION_RULE_REJECTION
         self.q_counts = started.q_counts
-        self.first_round = self.round = handover.round if handover is not None else 0
+        self.round = handover.round if handover is not None else 0
+        self.delivered = 0  # Drafts these rounds sent (a handover's lead Draft not counted)
         self.sent: dict[int, tuple[int, list[int]]] = {}
         if handover is not None:
-            self.sent[handover.round] = (len(stream.committed), list(handover.block.tokens))
+            self.sent[handover.round] = (len(committed), list(handover.block.tokens))
 
     async def send(self, spec: _Speculation) -> bool:
         """Sends the speculation's new tokens as a continuation of its last Draft while some of
         that one is still uncommitted, else all of it from committed_len. False: the stream
         takes no more Drafts."""
         self.round += 1
-        committed = len(self.stream.committed)
+        committed = len(self.committed)
         self.sent[self.round] = (committed, list(spec.tokens))
         self.sent.pop(self.round - SENT_KEPT, None)
         continues = spec.sent_to is not None and spec.sent_to > committed
@@ -307,19 +314,18 @@ class _Drafts:
         except grpc.aio.AioRpcError:
             # The server may end the call (its final verdict) while a Draft is on its way:
             # Drafts are optional, the verdicts tell what happened.
-            self.stream.stats.drafts_sent -= 1
             return False
+        self.delivered += 1
         return True
 
     def apply(self, v: pb.Verdict) -> tuple[list[int], int | None]:
         """Commits a Verdict; returns its chunk and how many tokens the cloud committed while
         its Draft was on the way (None: not known)."""
-        committed = self.stream.committed
-        offset = len(committed) - self.sent[v.round][0] if v.round in self.sent else None
-        base, tokens = self.sent.get(v.round, (len(committed), []))
-        off = len(committed) - base
-        chunk = tokens[off : off + v.accepted] + ([v.token] if v.has_token else [])
-        self.stream.committed += chunk
+        n = len(self.committed)
+        offset = n - self.sent[v.round][0] if v.round in self.sent else None
+        base, tokens = self.sent.get(v.round, (n, []))
+        chunk = tokens[n - base : n - base + v.accepted] + ([v.token] if v.has_token else [])
+        self.committed.commit(chunk, v)
         return chunk, offset
 
 

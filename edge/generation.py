@@ -139,11 +139,81 @@ class GenerationStats:
     accepted_lens: list[int] = field(default_factory=list)  # drafts accepted
     emitted_lens: list[int] = field(default_factory=list)  # tokens committed (accepted + bonus)
 
-    def observe_verdict(self, v: pb.Verdict) -> StepCounts:
-        """Counts one Verdict, in any session mode, as the gateway's metrics count it."""
-        return self.observe_step(StepCounts.of(v))
+    # The writers. Each field has one: the loops and the transport write through these
+    # methods (or, for the chunks, ``Generation``; for retries, edge.client), never field by
+    # field, so that what a field counts is decided in one place.
+
+    def observe_started(self, rtt_ms: float | None, seed: int) -> None:
+        """Started (edge.stream): Start's round trip, the server's part taken out, and the seed
+        in force; edge-only, which opens no stream, reports its own seed and no round trip."""
+        self.start_rtt_ms, self.seed = rtt_ms, seed
+
+    def observe_finished(
+        self, reason: str, target_forward_passes: int = 0, drafts_dropped: int = 0
+    ) -> None:
+        """The generation's end: Finished's counts (edge.stream), or, where no Finished came
+        (edge-only, a goodbye lost after the final Verdict), the finish reason alone."""
+        self.target_forward_passes += target_forward_passes
+        self.drafts_dropped += drafts_dropped
+        self.finish = reason
+
+    def observe_round(
+        self, v: pb.Verdict, round_ms: float, draft_ms: float | None = None
+    ) -> StepCounts:
+        """One Verdict's statistics, as the gateway's metrics count it; returns what it counts
+        for (shared.spec_counts: what the target verified, not what was sent). ``draft_ms``:
+        the edge's drafting for it, None in a session mode that drafts nothing (cloud-only,
+        which keeps fewer timings)."""
+        step = self.observe_step(StepCounts.of(v))
+        self.round_ms.append(round_ms)
+        self.verify_ms.append(v.timings.verify_ms)
+        if draft_ms is not None:
+            self.draft_ms.append(draft_ms)
+            self.server_ms.append(v.timings.server_ms)
+            self.queue_ms.append(v.timings.queue_ms)
+        self.batch_sessions.append(v.timings.batch_sessions)
+        self.batch_rows.append(v.timings.batch_rows)
+        return step
+
+    def observe_pass(self, mode: str, tokens: int, ms: float) -> None:
+        """One Verdict of session mode ``mode`` (edge.mode_switch.LOCK_STEP or CLOUD_LED) into
+        ``mode_passes``: ``tokens`` committed, ``ms`` since the Verdict before."""
+        counts = self.mode_passes.setdefault(mode, [0, 0, 0.0])
+        counts[0] += 1
+        counts[1] += tokens
+        counts[2] += ms
+
+    def observe_hint(self, hint: int) -> None:
+        """A Verdict's max_draft_tokens_hint that the rounds followed."""
+        self.max_draft_tokens_hint.append(hint)
+
+    def observe_lockstep_round(self, k: int | None, ahead_hit: bool) -> None:
+        """A lock-step round's own figures: ``k`` its adaptive draft length (None: k fixed),
+        ``ahead_hit`` whether its block was drafted while the previous verdict was in flight."""
+        if k is not None:
+            self.k_chosen.append(k)
+        self.ahead_hits += ahead_hit
+
+    def observe_lead(self, round_no: int, by_cloud: bool) -> None:
+        """The stream went on cloud-led: from lock-step round ``round_no`` (0: not from a
+        lock-step round), ``by_cloud`` when the cloud took the lead itself (Verdict.led)."""
+        if round_no:
+            self.lead_round = round_no
+        self.cloud_took_lead |= by_cloud
+
+    def observe_cloud_led_pass(self, step: StepCounts, after_rejection: bool) -> None:
+        """A cloud-led pass (``step``, its counts), ``after_rejection``: the pass before
+        corrected a draft."""
+        if after_rejection:
+            self.passes_after_rejection += 1
+            self.draftless_after_rejection += step.drafted == 0
+
+    def observe_drafts_sent(self, n: int) -> None:
+        """Cloud-led rounds' Drafts that reached the stream."""
+        self.drafts_sent += n
 
     def observe_step(self, step: StepCounts) -> StepCounts:
+        """Counts one target step, in any session mode, as the gateway's metrics count it."""
         self.rounds += 1
         self.drafted += step.drafted
         self.accepted += step.accepted

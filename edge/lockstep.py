@@ -1,14 +1,16 @@
 """Lock-step rounds: draft k, send, wait for the verdict, commit (docs/design.md#lock-step).
 
 The loop drafts through the stream's ``Proposer`` under its ``DraftRule`` and reads the session
-plan; it sends and receives through the ``Stream``. While a verdict is in flight the next block
-is drafted for "all accepted, bonus = the draft's guess" (``Proposer.guess_next``) and used when
-the verdict matches (docs/design.md#performance). k is chosen per round by
-``edge.adaptive.DraftLength`` unless the plan fixes it. In session mode ``auto`` the rounds
-also measure whether cloud-led would be faster (``edge.mode_switch``); once it would, the next
-Draft carries ``lead`` and the loop ends with a ``Handover`` (edge.handover): the dispatcher
-(edge.rounds) goes on with cloud-led rounds at once, that Draft the first of their speculation
-(the cloud starts stepping without waiting as soon as it reads it).
+plan; it sends and receives through the ``Stream`` and commits each verdict's chunk to the
+``Committed`` sequence (edge.sequence) that edge.rounds hands it. While a verdict is in flight
+the next block is drafted for "all accepted, bonus = the draft's guess"
+(``Proposer.guess_next``) and used when the verdict matches (docs/design.md#performance).
+k is chosen per round by ``edge.adaptive.DraftLength`` unless the plan fixes it. In session
+mode ``auto`` the rounds also measure whether cloud-led would be faster (``edge.mode_switch``);
+once it would, the next Draft carries ``lead`` and the loop ends with a ``Handover``
+(edge.handover): the dispatcher (edge.rounds) goes on with cloud-led rounds at once, that Draft
+the first of their speculation (the cloud starts stepping without waiting as soon as it reads
+it).
 The cloud may take that lead itself when the first Draft is late (Start.follows_lead, which
 edge.rounds sets for such a plan): its first Verdict then says so (Verdict.led), is a cloud-led
 step's, and the loop ends with a Handover that carries it: cloud-led rounds go on from it, the
@@ -23,8 +25,9 @@ from collections.abc import AsyncIterator
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.handover import Handover
-from specsplit.edge.mode_switch import LOCK_STEP, LeadChoice, count_pass
+from specsplit.edge.mode_switch import LOCK_STEP, LeadChoice
 from specsplit.edge.proposer import Proposer, block_off_loop, draft_ahead
+from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
 from specsplit.edge.worker import Worker
@@ -33,6 +36,7 @@ from specsplit.shared.protocol import pb, sparse_to_pb
 
 async def lockstep_rounds(
     stream: Stream,
+    committed: Committed,
     proposer: Proposer,
     rule: DraftRule,
     plan: SessionPlan,
@@ -54,14 +58,14 @@ async def lockstep_rounds(
         round_no += 1
         # A round emits up to k + 1 tokens: never draft past the length limit.
         k = max(0, min(k, hint, remaining - 1))
-        base_len = len(stream.committed)
+        base_len = len(committed)
         fresh = first is None
         if first is not None:  # drafted early (prefill, or the previous verdict in flight)
             (block, draft_ms), first = first, None
             block = block.head(k)
             k = len(block.tokens)  # shorter when the cloud's hint grew meanwhile
         else:
-            block, draft_ms = await block_off_loop(proposer, stream.committed, k, rule)
+            block, draft_ms = await block_off_loop(proposer, committed.tokens, k, rule)
         t1 = time.perf_counter()
         # Hand over with this block when cloud-led would be faster (and blocks remain after it).
         lead = (
@@ -69,7 +73,7 @@ async def lockstep_rounds(
         )
         await stream.send(_draft(started, round_no, base_len, block, lead))
         if lead:
-            stats.lead_round = round_no
+            stats.observe_lead(round_no, by_cloud=False)
             yield Handover(round_no, block, remaining, switch.lengths)
             return
         # The next block's size is chosen now, before the verdict, so it can be drafted ahead.
@@ -77,28 +81,29 @@ async def lockstep_rounds(
         k_next = max(0, min(planned, hint, remaining - (k + 1) - 1))
         ahead = None
         if plan.draft_ahead and k > 0 and k_next > 0:
-            seq = [*stream.committed, *block.tokens]
+            seq = [*committed.tokens, *block.tokens]
             ahead = Worker(draft_ahead, proposer, seq, k_next, rule)
         v, t2, first = await _verdict(stream, k, ahead)
+        ahead_hit = first is not None
         if v.led:  # the cloud leads: v is a cloud-led step's, the block one of its Drafts
-            stats.lead_round, stats.cloud_took_lead = round_no, True
+            stats.observe_lead(round_no, by_cloud=True)
             lengths = switch.lengths if switch is not None else DraftLength(max_draft_tokens)
             yield Handover(round_no, block, remaining, lengths, v)
             return
         chunk = block.tokens[: v.accepted] + ([v.token] if v.has_token else [])
-        stream.committed += chunk
+        committed.commit(chunk, v)
         remaining -= len(chunk)
         round_ms = (t2 - t1) * 1e3
-        stream.observe(v, draft_ms, round_ms)
+        stats.observe_round(v, round_ms, draft_ms)
         cycle_ms = (t2 - t_prev) * 1e3
-        count_pass(stats, LOCK_STEP, len(chunk), cycle_ms)
+        stats.observe_pass(LOCK_STEP, len(chunk), cycle_ms)
+        stats.observe_lockstep_round(k if chooser is not None else None, ahead_hit)
         if plan.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
-            stats.max_draft_tokens_hint.append(hint)
+            stats.observe_hint(hint)
         if chooser is not None:
             critical_ms = draft_ms if fresh else None  # a block drafted ahead hid its cost
             chooser.observe(k, v.accepted, v.timings.verify_ms, round_ms, critical_ms)
-            stats.k_chosen.append(k)
         if switch is not None:
             switch.observe(k, v.accepted, cycle_ms, v.timings.verify_ms, v.timings.server_ms)
         t_prev = t2
@@ -126,7 +131,6 @@ async def _verdict(stream: Stream, k: int, ahead: Worker | None):
         guess, next_block = await ahead.result()
         waited_ms = (time.perf_counter() - t2) * 1e3
         if v.accepted == k and v.has_token and v.token == guess and not v.finished:
-            stream.stats.ahead_hits += 1
             return v, t2, (next_block, waited_ms)  # only the wait is on the critical path
         return v, t2, None
     finally:

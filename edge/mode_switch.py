@@ -83,14 +83,6 @@ class Yield(NamedTuple):
         return cls(tokens / passes, ms / passes) if passes >= MIN_ROUNDS else None
 
 
-def count_pass(stats, mode: str, tokens: int, ms: float) -> None:
-    """One Verdict of ``mode`` into GenerationStats.mode_passes."""
-    counts = stats.mode_passes.setdefault(mode, [0, 0, 0.0])
-    counts[0] += 1
-    counts[1] += tokens
-    counts[2] += ms
-
-
 class Link(NamedTuple):
     """What a Started told a client about its link (``SplitClient.link``): the round trip in ms
     (Start to Started, Started.setup_ms taken out; None when it could not be measured) and the

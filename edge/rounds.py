@@ -7,12 +7,19 @@ loop of the mode the server runs takes the stream: ``lockstep_rounds`` (edge.loc
 switch is here too, one way: lock-step rounds that hand over end with a ``Handover``
 (edge.handover), and cloud-led rounds go on from it. No loop calls another. A new mode is a new
 loop module and a line here.
+
+The stream's state that outlives one loop is made here and handed to each loop it runs: the
+committed sequence (edge.sequence.Committed), opened from ``prompt``; the loops write the
+generation's statistics through GenerationStats' methods. The ``Stream`` only transports.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
 
 from specsplit.edge.cloud_led import cloud_led_rounds
 from specsplit.edge.cloud_only import cloud_only_rounds
@@ -20,29 +27,34 @@ from specsplit.edge.drafting import DraftRule
 from specsplit.edge.handover import Handover
 from specsplit.edge.lockstep import lockstep_rounds
 from specsplit.edge.proposer import Proposer, block_off_loop, timed_block
+from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import SpecsplitError, Stream
 from specsplit.edge.worker import Worker
 from specsplit.shared.protocol import pb
 from specsplit.shared.session_mode import SessionMode
 
+log = logging.getLogger(__name__)
+
 
 async def run_rounds(
-    stream: Stream, proposer: Proposer | None, plan: SessionPlan
+    stream: Stream, proposer: Proposer | None, plan: SessionPlan, prompt: Sequence[int]
 ) -> AsyncIterator[list[int]]:
-    """Yields each round's committed chunk; ``proposer`` None only when the plan is cloud-only."""
+    """Yields each round's committed chunk after ``prompt`` (after an outage, everything the
+    generation committed so far); ``proposer`` None only when the plan is cloud-only."""
     cfg = stream.cfg
+    committed = Committed(prompt)
     rule = None
     early = None
     drafts = proposer is not None and plan.mode is not SessionMode.CLOUD_ONLY
     fingerprint = proposer.tokenizer_fingerprint if drafts else None
-    await stream.start(plan.mode, fingerprint, plan.follows_lead)
+    await stream.start(committed.tokens, plan.mode, fingerprint, plan.follows_lead)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
     # sampled draft needs the seed first, which Started brings when the request sent none.
     if plan.mode is SessionMode.LOCK_STEP and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
         k_first = min(plan.max_draft_tokens, stream.max_new_tokens - 1)
-        early = Worker(timed_block, proposer, stream.committed, k_first, rule)
+        early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
     try:
         started = await stream.started()
         plan = plan.settled(started, stream.stats.start_rtt_ms)
@@ -52,7 +64,7 @@ async def run_rounds(
         first = await early.result() if early is not None else None
         if plan.mode is SessionMode.LOCK_STEP and first is None:
             k_first = min(plan.max_draft_tokens, started.max_new_tokens - 1)
-            first = await block_off_loop(proposer, stream.committed, k_first, rule)
+            first = await block_off_loop(proposer, committed.tokens, k_first, rule)
     finally:
         if early is not None:  # the drafter must be idle before anyone else uses it
             await early.join()
@@ -61,11 +73,11 @@ async def run_rounds(
     mode, handover = plan.mode, None
     while True:
         if mode is SessionMode.CLOUD_ONLY:
-            rounds = cloud_only_rounds(stream)
+            rounds = cloud_only_rounds(stream, committed)
         elif mode is SessionMode.CLOUD_LED:
-            rounds = cloud_led_rounds(stream, proposer, rule, plan, started, handover)
+            rounds = cloud_led_rounds(stream, committed, proposer, rule, plan, started, handover)
         else:
-            rounds = lockstep_rounds(stream, proposer, rule, plan, started, first)
+            rounds = lockstep_rounds(stream, committed, proposer, rule, plan, started, first)
         handover = None
         async with contextlib.aclosing(rounds):  # closed with the stream, even mid-loop
             async for out in rounds:
@@ -76,7 +88,13 @@ async def run_rounds(
         if handover is None:
             break
         mode = SessionMode.CLOUD_LED
-    await stream.finish()
+    try:
+        await stream.finish(len(committed))
+    except grpc.aio.AioRpcError as e:
+        # Every token arrived with the final Verdict, which agreed; only the goodbye was lost.
+        log.info("the stream ended after its final Verdict, before Finished: %s", e.details())
+        if not stream.stats.finish:
+            stream.stats.observe_finished(committed.final)
 
 
 def _rule(stream: Stream, proposer: Proposer, seed: int | None) -> DraftRule:

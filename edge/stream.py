@@ -1,9 +1,11 @@
 """One gRPC stream of a generation, as transport: Start, Started, the messages of its rounds
 with their byte counts, each verdict's statistics, and Finished.
 
-A ``Stream`` knows nothing of drafting or of how a mode's rounds go: edge.rounds opens it and
-hands it to the loop of the session's mode (edge.lockstep, edge.cloud_led, edge.cloud_only),
-which sends and receives through it and extends ``committed``.
+A ``Stream`` knows nothing of drafting or of how a mode's rounds go, and holds no loop state:
+edge.rounds opens it and hands it to the loop of the session's mode (edge.lockstep,
+edge.cloud_led, edge.cloud_only), which sends and receives through it; the committed sequence is
+the loop's (edge.sequence.Committed), and the Stream is told its length where a message needs it
+(Start's prompt, Finished's check).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from specsplit.shared.protocol import (
     sampling_params,
 )
 from specsplit.shared.session_mode import SessionMode
-from specsplit.shared.spec_counts import StepCounts
 
 if TYPE_CHECKING:
     from specsplit.edge.generation import GenerationConfig, GenerationStats
@@ -56,18 +57,15 @@ class Stream:
         metadata: tuple[tuple[str, str], ...] | None,
         cfg: GenerationConfig,
         stats: GenerationStats,
-        committed: Sequence[int],
         max_new_tokens: int,
         seed: int | None,
     ):
         self.stub, self.cfg, self.stats = stub, cfg, stats
         self.metadata = metadata  # the call's metadata (the bearer token)
         self.link: Link | None = None  # the round trip and step of a lead-aware Started
-        self.committed = list(committed)  # own copy: the caller extends its list from chunks
         self.max_new_tokens = max_new_tokens
         self.seed: int | None = cfg.seed if seed is None else seed  # Started's, once it came
         self.call = None
-        self.final = ""  # the finish reason, once the final verdict came
         self.reached = False  # its Started arrived
         self.write_broke = False  # a write failed: grpc.aio then fails every read as INTERNAL
         self._t_start = 0.0
@@ -106,9 +104,14 @@ class Stream:
         return getattr(msg, kind)
 
     async def start(
-        self, mode: SessionMode, draft_tokenizer: str | None = None, follows_lead: bool = False
+        self,
+        prompt: Sequence[int],
+        mode: SessionMode,
+        draft_tokenizer: str | None = None,
+        follows_lead: bool = False,
     ) -> None:
-        """Opens the call and sends Start, asking for session mode ``mode``; a drafting client
+        """Opens the call and sends Start with ``prompt`` (after an outage, the whole committed
+        sequence), asking for session mode ``mode``; a drafting client
         names its draft's tokenizer (the cloud refuses a pair that does not share one), and one
         whose lock-step rounds can go on cloud-led says it follows the cloud's lead."""
         cfg = self.cfg
@@ -116,7 +119,7 @@ class Stream:
         start = pb.Start(
             protocol_version=PROTOCOL_VERSION,
             model=cfg.model,
-            prompt_ids=self.committed,
+            prompt_ids=prompt,
             sampling=sampling_params(cfg.sampling, self.seed, self.max_new_tokens, cfg.stop_ids),
             verification=VERIFICATION_TO_PB.get(cfg.verification, 0),
             draft_tokenizer=draft_tokenizer or "",
@@ -129,59 +132,30 @@ class Stream:
     async def started(self) -> pb.Started:
         started = await self.recv("started")
         # The round trip (and, on a cold channel, its setup): the server reports its part.
-        rtt_ms = (time.perf_counter() - self._t_start) * 1e3 - started.setup_ms
-        self.stats.start_rtt_ms = max(0.0, rtt_ms)
+        rtt_ms = max(0.0, (time.perf_counter() - self._t_start) * 1e3 - started.setup_ms)
+        self.stats.observe_started(rtt_ms, started.seed)
         if started.accepts_lead:  # a server that serves auto: the link, for the next Start
-            self.link = Link(self.stats.start_rtt_ms, started.step_ms)
+            self.link = Link(rtt_ms, started.step_ms)
         self.reached = True
-        self.seed = self.stats.seed = started.seed
+        self.seed = started.seed
         return started
 
-    async def finish(self) -> None:
-        """After the final verdict: Finished, and the client's half of the call closed."""
+    async def finish(self, committed_len: int) -> None:
+        """After the final verdict: Finished, and the client's half of the call closed;
+        ``committed_len``: what the edge committed, which Finished must repeat."""
         finished = await self.recv("finished")
-        if finished.committed_len != len(self.committed):
+        if finished.committed_len != committed_len:
             # Every token was already handed on, each with a Verdict that agreed: a re-open
             # would extend a finished generation, so this one fails instead (not retried).
             raise SpecsplitError(
                 grpc.StatusCode.INTERNAL,
                 f"the cloud's Finished says committed_len {finished.committed_len}, the edge "
-                f"committed {len(self.committed)} (after its final Verdict agreed)",
+                f"committed {committed_len} (after its final Verdict agreed)",
             )
-        self.stats.target_forward_passes += finished.target_forward_passes
-        self.stats.drafts_dropped += finished.drafts_dropped
-        self.stats.finish = reason_name(finished.reason)
+        self.stats.observe_finished(
+            reason_name(finished.reason), finished.target_forward_passes, finished.drafts_dropped
+        )
         await self.call.done_writing()
-
-    def check_committed(self, v: pb.Verdict) -> None:
-        """After the loop committed ``v``: both sides agree on committed_len (the proto's
-        invariant), or the stream fails as UNAVAILABLE before the verdict's tokens are handed
-        on, so that the generation re-opens from the prefix both last agreed on (edge.retry)."""
-        if v.committed_len != len(self.committed):
-            raise rpc_error(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the cloud's Verdict of round {v.round} says committed_len {v.committed_len}, "
-                f"the edge committed {len(self.committed)} (accepted {v.accepted}, "
-                f"has_token {v.has_token}): re-opening from the edge's last agreed prefix",
-            )
-
-    def observe(self, v: pb.Verdict, draft_ms: float, round_ms: float) -> StepCounts:
-        """A verdict's statistics (the modes that draft; cloud-only keeps fewer); returns what
-        it counts for (shared.spec_counts: what the target verified, not what was sent).
-        Checks committed_len first (``check_committed``): call it once ``v`` is committed."""
-        self.check_committed(v)
-        stats = self.stats
-        step = stats.observe_verdict(v)
-        stats.draft_ms.append(draft_ms)
-        stats.round_ms.append(round_ms)
-        stats.verify_ms.append(v.timings.verify_ms)
-        stats.server_ms.append(v.timings.server_ms)
-        stats.queue_ms.append(v.timings.queue_ms)
-        stats.batch_sessions.append(v.timings.batch_sessions)
-        stats.batch_rows.append(v.timings.batch_rows)
-        if v.finished:
-            self.final = reason_name(v.reason)
-        return step
 
     async def close(self) -> None:
         if self.call is not None and not self.call.done():

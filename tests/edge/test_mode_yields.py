@@ -16,7 +16,6 @@ from specsplit.edge.mode_switch import (
     LeadChoice,
     Link,
     Yield,
-    count_pass,
 )
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.shared.session_mode import SessionMode
@@ -68,8 +67,8 @@ def test_a_measured_cloud_led_rate_replaces_the_model_in_the_switch():
 def test_a_generation_remembers_the_modes_it_ran_and_keeps_the_others():
     stats = GenerationStats(route="split")
     for ms in (100.0, 120.0, 110.0):
-        count_pass(stats, LOCK_STEP, 3, ms)
-    count_pass(stats, CLOUD_LED, 2, 50.0)  # one pass: too few to judge
+        stats.observe_pass(LOCK_STEP, 3, ms)
+    stats.observe_pass(CLOUD_LED, 2, 50.0)  # one pass: too few to judge
     before = Link(0.4, 48.0, cloud_led=POOR_LED, lock_step=Yield(9.0, 9.0))
     link = Link(0.5, 50.0).measured(stats, before)
     assert link.lock_step == Yield(3.0, 110.0)

@@ -185,7 +185,7 @@ def test_reads_after_a_failed_write_count_as_a_broken_stream():
     from specsplit.edge.generation import GenerationStats
     from specsplit.edge.stream import Stream
 
-    session = Stream(None, None, GenerationConfig(), GenerationStats("split"), [1], 4, 0)
+    session = Stream(None, None, GenerationConfig(), GenerationStats("split"), 4, 0)
     session.call = _BrokenCall()
 
     async def go():

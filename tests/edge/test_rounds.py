@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from specsplit.edge import rounds as dispatcher
@@ -15,6 +16,7 @@ from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block
 from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.handover import Handover
+from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
 from specsplit.shared.session_mode import SessionMode
@@ -24,13 +26,12 @@ class FakeStream:
     def __init__(self, cfg: GenerationConfig, runs: SessionMode) -> None:
         self.cfg, self.runs = cfg, runs
         self.seed = None
-        self.committed = [1, 2, 3]
         self.max_new_tokens = cfg.max_new_tokens
         self.stats = GenerationStats(route="split")
         self.asked: SessionMode | None = None
-        self.finished = False
+        self.finished: int | None = None  # the committed_len Finished was checked against
 
-    async def start(self, mode, fingerprint, follows_lead) -> None:
+    async def start(self, prompt, mode, fingerprint, follows_lead) -> None:
         self.asked = mode
 
     async def started(self) -> pb.Started:
@@ -40,8 +41,8 @@ class FakeStream:
         started.model.vocab_size = 100
         return started
 
-    async def finish(self) -> None:
-        self.finished = True
+    async def finish(self, committed_len: int) -> None:
+        self.finished = committed_len
 
 
 PROPOSER = SimpleNamespace(
@@ -68,18 +69,18 @@ def test_the_dispatcher_switches_once_on_a_handover(
     received: list = []
     handover = Handover(2, Block([8, 9], None), 40, DraftLength(4))
 
-    async def lockstep(stream, proposer, rule, plan, started, first):
+    async def lockstep(stream, committed, proposer, rule, plan, started, first):
         ran.append("lockstep")
         assert first[0].tokens == [5]  # the block drafted while the cloud prefilled
-        stream.committed += [5, 6]
+        committed.tokens += [5, 6]
         yield [5, 6]
         if hands_over:
             yield handover
 
-    async def cloud_led(stream, proposer, rule, plan, started, given=None):
+    async def cloud_led(stream, committed, proposer, rule, plan, started, given=None):
         ran.append("cloud_led")
         received.append(given)
-        stream.committed += [7]
+        committed.tokens += [7]
         yield [7]
 
     monkeypatch.setattr(dispatcher, "lockstep_rounds", lockstep)
@@ -88,12 +89,14 @@ def test_the_dispatcher_switches_once_on_a_handover(
     stream = FakeStream(cfg, runs)
 
     async def main():
-        return [c async for c in dispatcher.run_rounds(stream, PROPOSER, SessionPlan.of(cfg))]
+        plan = SessionPlan.of(cfg)
+        return [c async for c in dispatcher.run_rounds(stream, PROPOSER, plan, [1, 2, 3])]
 
     chunks = asyncio.run(main())
     assert ran == loops
     assert all(isinstance(c, list) for c in chunks)  # the Handover never reaches the caller
-    assert stream.finished
+    # one Committed through every loop the dispatcher ran, checked by Finished
+    assert stream.finished == 3 + sum(len(c) for c in chunks)
     if "cloud_led" in ran:
         assert received == [handover if runs is SessionMode.LOCK_STEP else None]
 
@@ -101,8 +104,9 @@ def test_the_dispatcher_switches_once_on_a_handover(
 def test_cloud_only_runs_its_loop(monkeypatch):
     ran = []
 
-    async def cloud_only(stream):
+    async def cloud_only(stream, committed):
         ran.append("cloud_only")
+        committed.tokens += [4]
         yield [4]
 
     monkeypatch.setattr(dispatcher, "cloud_only_rounds", cloud_only)
@@ -111,6 +115,55 @@ def test_cloud_only_runs_its_loop(monkeypatch):
 
     async def main():
         plan = SessionPlan.of(cfg, cloud_only=True)
-        return [c async for c in dispatcher.run_rounds(stream, None, plan)]
+        return [c async for c in dispatcher.run_rounds(stream, None, plan, [1, 2, 3])]
 
     assert asyncio.run(main()) == [[4]] and ran == ["cloud_only"]
+
+
+def test_a_goodbye_lost_after_the_final_verdict_ends_the_generation(monkeypatch):
+    """Every token came with a final Verdict that agreed: a stream that breaks before Finished
+    ends the generation with that Verdict's reason, not an error (nor a re-open)."""
+
+    async def cloud_only(stream, committed):
+        v = pb.Verdict(token=4, has_token=True, committed_len=4, finished=True, reason=1)
+        committed.commit([4], v)
+        yield [4]
+
+    class Broken(FakeStream):
+        async def finish(self, committed_len: int) -> None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+            )
+
+    monkeypatch.setattr(dispatcher, "cloud_only_rounds", cloud_only)
+    cfg = GenerationConfig(max_new_tokens=8)
+    stream = Broken(cfg, SessionMode.CLOUD_ONLY)
+
+    async def main():
+        plan = SessionPlan.of(cfg, cloud_only=True)
+        return [c async for c in dispatcher.run_rounds(stream, None, plan, [1, 2, 3])]
+
+    assert asyncio.run(main()) == [[4]]
+    assert stream.stats.finish == "EOS"
+
+
+def test_the_real_loops_through_the_dispatcher_hand_over_without_losing_a_token(monkeypatch):
+    """edge.rounds with the real lock-step and cloud-led loops against an in-memory greedy
+    cloud (tests.edge.fake_cloud): one Committed through both, checked by Finished."""
+    from tests.edge.fake_cloud import PROMPT, FakeCloudStream, FakeProposer, expected
+
+    asked = []
+    monkeypatch.setattr(
+        LeadChoice, "should_lead", lambda choice, k: asked.append(k) or len(asked) == 3
+    )
+    n = 29
+    stream = FakeCloudStream(n)
+    plan = SessionPlan.of(GenerationConfig(max_new_tokens=n))  # auto: may hand over
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, FakeProposer(), plan, PROMPT)]
+
+    chunks = asyncio.run(main())
+    assert sum(chunks, []) == expected(n)  # neither lost nor handed on twice
+    assert stream.finished and stream.stats.lead_round == 3
+    assert set(stream.stats.mode_passes) == {"lock-step", "cloud-led"}

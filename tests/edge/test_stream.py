@@ -38,7 +38,7 @@ def test_a_write_after_the_server_ended_the_call_keeps_its_retry_hint():
     (RESOURCE_EXHAUSTED for a session whose KV could not grow) reaches it through a failed
     write, and its hint must come with it, or the edge takes a busy cloud for its own quota
     and gives up."""
-    stream = Stream(None, None, GenerationConfig(), GenerationStats(route="split"), [1], 8, None)
+    stream = Stream(None, None, GenerationConfig(), GenerationStats(route="split"), 8, None)
     stream.call = EndedCall(grpc.StatusCode.RESOURCE_EXHAUSTED)
     draft = pb.ClientMessage(draft=pb.Draft(round=1, base_len=1, tokens=[2]))
 

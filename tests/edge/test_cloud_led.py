@@ -1,0 +1,82 @@
+"""edge.cloud_led from Started, against a fake stream whose far end is a greedy cloud stepping
+without waiting for Drafts, and a fake proposer (tests.edge.fake_cloud): whatever Drafts reach
+it, the tokens handed on are the target's, each once. From a Handover:
+tests/edge/test_lockstep.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from specsplit.edge.cloud_led import cloud_led_rounds
+from specsplit.shared.session_mode import SessionMode
+from tests.edge.fake_cloud import (
+    GREEDY,
+    PROMPT,
+    FakeCloudStream,
+    FakeProposer,
+    committed,
+    expected,
+    plan,
+)
+
+N = 31
+
+
+async def _collect(stream, seq, plan_) -> list[list[int]]:
+    rounds = cloud_led_rounds(stream, seq, FakeProposer(), GREEDY, plan_, stream.started_message())
+    return [c async for c in rounds]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_cloud_led_hands_on_the_target_tokens(adaptive):
+    stream, seq = FakeCloudStream(N, SessionMode.CLOUD_LED), committed()
+    led = plan(SessionMode.CLOUD_LED, adaptive=adaptive)
+    chunks = asyncio.run(_collect(stream, seq, led))
+    assert sum(chunks, []) == expected(N)
+    assert seq.tokens == PROMPT + expected(N) and seq.final == "LENGTH"
+    stats = stream.stats
+    assert stats.rounds == len(stream.verdicts) == len(chunks)
+    assert stats.drafts_sent == len(stream.drafts)  # every Draft reached the stream
+    assert stats.drafted == sum(v.drafts_verified for v in stream.verdicts)
+    assert stats.mode_passes["cloud-led"][:2] == [len(chunks), N]
+    assert not stats.cloud_took_lead and stats.lead_round == 0
+
+
+def test_a_draft_the_stream_refuses_stops_drafting_and_is_not_counted_as_sent():
+    class Refusing(FakeCloudStream):
+        async def send(self, msg):
+            await super().send(msg)
+            if len(self.drafts) == 2:  # the second Draft: as if the call ended under it
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), ""
+                )
+
+    stream, seq = Refusing(N, SessionMode.CLOUD_LED), committed()
+    chunks = asyncio.run(_collect(stream, seq, plan(SessionMode.CLOUD_LED)))
+    assert sum(chunks, []) == expected(N)  # the cloud streams on without Drafts
+    assert len(stream.drafts) == 2 and stream.stats.drafts_sent == 1
+
+
+def test_a_verdict_out_of_step_fails_the_stream_before_its_chunk_is_handed_on():
+    stream, seq = FakeCloudStream(N, SessionMode.CLOUD_LED, fail_at=2), committed()
+    chunks: list[list[int]] = []
+
+    async def main():
+        rounds = cloud_led_rounds(
+            stream,
+            seq,
+            FakeProposer(),
+            GREEDY,
+            plan(SessionMode.CLOUD_LED),
+            stream.started_message(),
+        )
+        async for c in rounds:
+            chunks.append(c)
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(main())
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(chunks) == 2 and stream.stats.rounds == 2
