@@ -87,10 +87,10 @@ def test_a_gguf_is_converted_once_into_the_cache_keyed_by_content(
 
 
 def test_its_blocks_are_what_the_target_serves_with_weights_gguf(tiny_gguf, cache):
-    from specsplit.cloud.engine import cpu_kernels
+    from specsplit.cloud.engine import kernel_library
     from specsplit.cloud.engine.target import TargetModel
 
-    if not cpu_kernels.available():
+    if not kernel_library.available():
         pytest.skip("no CPU kernels here")
     d = cli.resolve_target(str(tiny_gguf))
     target = TargetModel(d, device="cpu", calibrate=False, weights="gguf")

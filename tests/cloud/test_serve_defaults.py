@@ -54,11 +54,11 @@ def test_streams_per_connection_default_to_twice_the_places():
     """Streams past the places must reach admission (a retry hint, a reclaimed idle stream);
     and one process's channels to one address share a connection (an edge's OpenAI server, the
     load benchmark). At --max-sessions 1 a cap of 1 left the second stream waiting unseen."""
-    from specsplit.cloud.cli import _limits
+    from specsplit.cloud.cli import _stream_policy
 
     args = _parser().parse_args(["serve", "--max-sessions", "8"])
-    assert _limits(args).max_streams_per_connection == 16
+    assert _stream_policy(args).max_streams_per_connection == 16
     flags = ["serve", "--streams-per-connection", "3"]
-    assert _limits(_parser().parse_args(flags)).max_streams_per_connection == 3
+    assert _stream_policy(_parser().parse_args(flags)).max_streams_per_connection == 3
     with pytest.raises(ValueError, match="streams per connection"):
-        _limits(_parser().parse_args(["serve", "--streams-per-connection", "0"]))
+        _stream_policy(_parser().parse_args(["serve", "--streams-per-connection", "0"]))
