@@ -1,5 +1,6 @@
-"""Helpers for the long build steps (fetch, convert, export): where they cache, how they show
-progress, how concurrent processes take turns, and what they need installed.
+"""Helpers for the long build steps (fetch, convert, export): where they cache, how they key a
+cache by a file's content, how they show progress, how concurrent processes take turns, and what
+they need installed.
 
 rich is imported lazily, like torch: an edge install that runs a pulled draft need not have it.
 """
@@ -7,8 +8,11 @@ rich is imported lazily, like torch: an edge install that runs a pulled draft ne
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +20,33 @@ from pathlib import Path
 def cache_dir() -> Path:
     """``$SPECSPLIT_CACHE``, default ``~/.cache/specsplit``: models, exports, locks."""
     return Path(os.environ.get("SPECSPLIT_CACHE") or Path.home() / ".cache" / "specsplit")
+
+
+def content_sha256(path: Path, memo_path: Path) -> str:
+    """The sha256 of ``path``'s content: the same wherever the file is copied (a path or an
+    mtime would not be). Hashing a GB-sized file takes seconds, so each result is remembered per
+    (resolved path, size, mtime) in the JSON file ``memo_path``: a copied file hashes once."""
+    st = path.stat()
+    stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    if isinstance(memo.get(stamp), str):
+        return memo[stamp]
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            digest.update(chunk)
+    memo[stamp] = digest.hexdigest()
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=memo_path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as out:
+        json.dump(memo, out)
+    os.replace(tmp, memo_path)
+    return memo[stamp]
 
 
 def progress_bar(enabled: bool, *columns: object):

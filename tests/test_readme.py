@@ -283,17 +283,9 @@ def test_the_openai_snippet_runs_against_a_real_edge_serve(cloud, tiny, tmp_path
     serve` with the tiny draft (given a tokenizer, as tests/edge/openai does) and the tiny
     cloud: it streams text and ends with the request's speculation stats."""
     pytest.importorskip("openai")
-    from tests.edge.openai.test_openai import EdgeServe, write_tokenizer
-
     block = next(b for b in code_blocks(README, "python") if "OpenAI(" in b)
     assert '"http://127.0.0.1:8000/v1"' in block
-    draft = tmp_path / "draft"
-    shutil.copytree(tiny.draft_onnx, draft)
-    write_tokenizer(draft)
-    serve = EdgeServe(
-        "--server", cloud.address, "--draft", str(draft), "--retry-window", "0",
-        log_path=tmp_path / "serve.log",
-    )  # fmt: skip
+    serve = _edge_serve(cloud, tiny, tmp_path)
     try:
         script = tmp_path / "snippet.py"
         script.write_text(block.replace('"http://127.0.0.1:8000/v1"', repr(serve.url)))
@@ -397,20 +389,26 @@ def test_the_own_pair_block_runs_against_tiny_models(tiny, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_the_curl_block_runs_against_a_real_edge_serve(cloud, tiny, tmp_path):
-    """The curl block as written but for the address, against `specsplit-edge serve` with the
-    tiny draft (given a tokenizer) and the tiny cloud: it streams chunks and ends with [DONE]."""
+def _edge_serve(cloud, tiny, tmp_path: Path):
+    """`specsplit-edge serve` on the tiny draft (given a tokenizer, as tests/edge/openai does)
+    and the tiny cloud, started; the caller stops it."""
     from tests.edge.openai.test_openai import EdgeServe, write_tokenizer
 
-    block = shell_block("curl -sN")
-    assert "http://127.0.0.1:8000/v1" in block
     draft = tmp_path / "draft"
     shutil.copytree(tiny.draft_onnx, draft)
     write_tokenizer(draft)
-    serve = EdgeServe(
+    return EdgeServe(
         "--server", cloud.address, "--draft", str(draft), "--retry-window", "0",
         log_path=tmp_path / "serve.log",
     )  # fmt: skip
+
+
+def test_the_curl_block_runs_against_a_real_edge_serve(cloud, tiny, tmp_path):
+    """The curl block as written but for the address, against `specsplit-edge serve` with the
+    tiny draft (given a tokenizer) and the tiny cloud: it streams chunks and ends with [DONE]."""
+    block = shell_block("curl -sN")
+    assert "http://127.0.0.1:8000/v1" in block
+    serve = _edge_serve(cloud, tiny, tmp_path)
     try:
         r = run_shell(block.replace("http://127.0.0.1:8000/v1", serve.url), tmp_path, 120)
     finally:

@@ -34,38 +34,15 @@ from pathlib import Path
 import torch
 
 from specsplit.cloud.engine import kernel_layouts, quantized
-from specsplit.shared.build_steps import cache_dir, locked
+from specsplit.shared.build_steps import cache_dir, content_sha256, locked
 
 log = logging.getLogger(__name__)
 
 
 def _fingerprint(path: Path) -> str:
-    """The sha256 of a weight file's content: the same wherever the file is copied (a path or
-    an mtime would not be). Hashing a 3 GB file takes seconds, so each result is remembered
-    per (path, size, mtime) in ``quantized/content-hashes.json``; a copied file hashes once."""
-    path = path.resolve()
-    st = path.stat()
-    memo_path = cache_dir() / "quantized" / "content-hashes.json"
-    stamp = f"{path}|{st.st_size}|{st.st_mtime_ns}"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if not isinstance(memo, dict):
-        memo = {}
-    if isinstance(memo.get(stamp), str):
-        return memo[stamp]
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            digest.update(chunk)
-    memo[stamp] = digest.hexdigest()
-    memo_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=memo_path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as out:
-        json.dump(memo, out)
-    os.replace(tmp, memo_path)
-    return memo[stamp]
+    """The sha256 of a weight file's content (``shared.build_steps.content_sha256``),
+    remembered in ``quantized/content-hashes.json``."""
+    return content_sha256(path, cache_dir() / "quantized" / "content-hashes.json")
 
 
 def key(

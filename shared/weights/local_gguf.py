@@ -23,14 +23,11 @@ Imports neither torch nor transformers at import time; converting needs the clou
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.shared.build_steps import cache_dir, locked, require_extra
+from specsplit.shared.build_steps import cache_dir, content_sha256, locked, require_extra
 from specsplit.shared.weights import sources
 
 MAGIC = b"GGUF"  # every GGUF file's first four bytes (the format's magic)
@@ -73,29 +70,9 @@ def check_gguf(path: str | Path) -> Path:
 
 
 def _sha256(path: Path) -> str:
-    """The file's sha256, remembered per (path, size, mtime) in ``hf/.gguf-hashes.json``: a
-    large GGUF hashes in seconds, once."""
-    st = path.stat()
-    stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    memo_path = cache_dir() / "hf" / ".gguf-hashes.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    memo = memo if isinstance(memo, dict) else {}
-    if isinstance(memo.get(stamp), str):
-        return memo[stamp]
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            digest.update(chunk)
-    memo[stamp] = digest.hexdigest()
-    memo_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=memo_path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as out:
-        json.dump(memo, out)
-    os.replace(tmp, memo_path)
-    return memo[stamp]
+    """The file's sha256 (``shared.build_steps.content_sha256``), remembered in
+    ``hf/.gguf-hashes.json``: a large GGUF hashes in seconds, once."""
+    return content_sha256(path, cache_dir() / "hf" / ".gguf-hashes.json")
 
 
 def _link(link: Path, to: Path) -> None:
