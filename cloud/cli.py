@@ -22,7 +22,7 @@ from pathlib import Path
 from specsplit.cloud.gateway.admission import RECLAIM_AFTER_S, Admission
 from specsplit.cloud.gateway.security import Security, load_tokens
 from specsplit.cloud.gateway.stream_policy import StreamPolicy
-from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
+from specsplit.cloud.kv_growth import KV_PER_CLIENT_SHARE, KVShape, default_budget_bytes
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
 from specsplit.shared.build_steps import install_hint
 from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
@@ -234,9 +234,6 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
         kv_per_client=kv_per_client,
         kv_per_client_share=kv_per_client_share,
     )
-
-
-KV_PER_CLIENT_SHARE = 0.25  # the default KV quota's share, like the stream quota's of the places
 
 
 def _kv_per_client(args: argparse.Namespace, budget: int | None) -> tuple[int | None, float | None]:
