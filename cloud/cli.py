@@ -248,6 +248,16 @@ def _kv_per_client(args: argparse.Namespace, budget: int | None) -> tuple[int | 
     return int(args.kv_per_client_mib * 2**20) or None, None
 
 
+def _target_kv_share(args: argparse.Namespace, budget: int | None) -> float | None:
+    """The share of its KV capacity one client may hold on the targets serve starts: with
+    --kv-per-client-mib, the gateway's quota as a share of its budget (0: off, as the gateway's);
+    else None, the target's default, a quarter like the gateway's (docs/operations.md, "What one
+    client may hold")."""
+    if args.kv_per_client_mib is None or not budget:
+        return None
+    return min(1.0, args.kv_per_client_mib * 2**20 / budget)
+
+
 def _per_client(args: argparse.Namespace) -> int | None:
     """The per-client quota: the flag's value, 0 off; by default a quarter of the places, so
     one client (token or address) can hold no more than that, however many streams it opens."""
@@ -338,6 +348,7 @@ async def serve(args: argparse.Namespace) -> int:
                     startup_timeout_s=args.startup_timeout,
                     cpus=cpus,
                     log_dir=args.triton_log_dir,
+                    kv_per_client_share=_target_kv_share(args, admission.budget_bytes),
                 )
                 for cpus in _core_sets(args.replicas)
             ]

@@ -10,6 +10,8 @@ its session through the first gateway ends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -36,17 +38,31 @@ LOCK_STEP_START = pb.ClientMessage(
 )
 
 
-@pytest.fixture(scope="module")
-def small(tiny, tmp_path_factory):
+@contextlib.contextmanager
+def _small_serve(tiny, log_dir, *flags: str) -> Iterator[CloudProcess]:
+    """`serve` whose tritonserver has a capacity of SLOTS fresh slots."""
     capacity_mib = SLOTS * MIN_SLOT * KVShape.from_dir(tiny.target).bytes_per_token / 2**20
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECSPLIT_KV_CAPACITY_MIB", repr(capacity_mib))  # the tritonserver inherits it
+    mp.delenv("SPECSPLIT_KV_PER_CLIENT_SHARE", raising=False)  # the model's default
     try:
-        args = ["--target", str(tiny.target)]
-        with CloudProcess(*args, log_dir=tmp_path_factory.mktemp("small")) as c:
+        with CloudProcess("--target", str(tiny.target), *flags, log_dir=log_dir) as c:
             yield c
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def small(tiny, tmp_path_factory):
+    with _small_serve(tiny, tmp_path_factory.mktemp("small")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokens") / "tokens.txt"
+    path.write_text(f"{ALICE}\n{BOB}\n")
+    return path
 
 
 async def _start(client, prompt, lease_s: float = 0.0) -> TritonSequence:
@@ -111,11 +127,9 @@ def test_a_sequence_left_without_an_end_is_evicted_after_its_lease(small):
 
 
 @pytest.fixture(scope="module")
-def two_gateways(small, tiny, tmp_path_factory):
+def two_gateways(small, tiny, tokens, tmp_path_factory):
     """Two gateway processes in front of the small target, as deploy/k8s runs them behind
     Envoy; both take Alice's and Bob's tokens, so each counts them as clients."""
-    tokens = tmp_path_factory.mktemp("tokens") / "tokens.txt"
-    tokens.write_text(f"{ALICE}\n{BOB}\n")
     args = ["--triton-url", small.triton_url, "--target", str(tiny.target)]
     args += ["--auth-tokens", str(tokens)]
     with (
@@ -172,3 +186,21 @@ def test_a_clients_share_holds_across_gateways(two_gateways):
     assert RETRY_AFTER_KEY in dict(refused.trailing_metadata() or ())
     assert bob_refused is None, bob_refused
     assert again is not None
+
+
+def test_serve_without_a_kv_quota_starts_its_targets_without_one(tiny, tokens, tmp_path):
+    """`serve --kv-per-client-mib 0` turns the per-client KV quota off on the targets it starts
+    as well as on its gateway: one client may hold more than a quarter of the capacity."""
+    flags = ("--auth-tokens", str(tokens), "--kv-per-client-mib", "0")
+
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            sessions = [await _session(channel, ALICE) for _ in range(2)]
+            for call, _ in sessions:
+                if call is not None:
+                    call.cancel()
+            return [refused for _, refused in sessions]
+
+    with _small_serve(tiny, tmp_path, *flags) as c:
+        refusals = asyncio.run(run(c.address))
+    assert refusals == [None, None], refusals
