@@ -443,8 +443,9 @@ class TargetModel:
             if grow and client and quota is not None:
                 by_client = by_client if by_client is not None else self._bytes_by_client()
                 if by_client.get(client, 0) + grow > quota:
+                    whole = session.slot.capacity * slots.bytes_per_token + grow
                     outcomes[i] = self._client_full(
-                        req.sid, grow, "its next step", by_client.get(client, 0), quota
+                        req.sid, grow, "its next step", by_client.get(client, 0), quota, whole
                     )
                     continue
                 by_client[client] = by_client.get(client, 0) + grow
@@ -571,7 +572,7 @@ class TargetModel:
         if req.client and quota is not None:
             held = self.client_kv_bytes(req.client)  # after end(): a re-Open's old slot is freed
             if held + need > quota:
-                raise self._client_full(req.sid, need, "its prompt", held, quota)
+                raise self._client_full(req.sid, need, "its prompt", held, quota, need)
         try:
             slot = slots.open(req.sid)
             slots.reserve(slot, len(req.prompt) - 1)
@@ -598,11 +599,18 @@ class TargetModel:
         )
 
     def _client_full(
-        self, sid: int, need: int, what: str, held: int, quota: int
+        self, sid: int, need: int, what: str, held: int, quota: int, whole: int
     ) -> KVCapacityExceeded:
+        """The refusal of ``need`` more bytes for session ``sid`` past its client's share
+        (``quota``, of which its sessions hold ``held``); ``whole``: the session's slot with
+        them, which alone may be more than the share (then no other session's end helps)."""
         mib = 2**20
-        alone = need > quota  # no session of its own can end to make room: the prompt is too long
-        then = "; use a shorter prompt" if alone else "; retry when its sessions end"
+        if whole <= quota:
+            then = "; retry when its sessions end"
+        elif what == "its prompt":
+            then = "; use a shorter prompt"
+        else:
+            then = "; this session cannot grow further (its slot alone would exceed the share)"
         return KVCapacityExceeded(
             f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, and its client's "
             f"sessions hold {held / mib:.1f} MiB of the client's share of {quota / mib:.1f} MiB "

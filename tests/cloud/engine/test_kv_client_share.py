@@ -65,11 +65,15 @@ def test_an_open_past_the_clients_share_is_refused_and_others_served(target_dir,
     assert v.result.token == reference_greedy(target_dir, [1, 2, 3], 1)[0]
 
 
-def test_a_prompt_larger_than_the_share_is_told_to_shorten(target_dir, slot_bytes):
+def test_a_session_larger_than_the_share_is_told_no_end_helps(target_dir, slot_bytes):
     target = _target(target_dir, slot_bytes)
     refused = _open(target, 1, ALICE, prompt=list(range(3 * MIN_SLOT)))  # a 4-slot slot
     assert isinstance(refused, KVCapacityExceeded) and "shorter prompt" in str(refused)
     assert _open(target, 2, 0, prompt=list(range(3 * MIN_SLOT))) is None  # no client: fits
+    prompt = list(range(2 * MIN_SLOT))  # a 2-slot slot: her whole share
+    assert _open(target, 3, ALICE, prompt=prompt) is None
+    [refused], _ = target.run([Verify(3, 2 * MIN_SLOT, [prompt[-1], 5, 6])])  # 4 slots
+    assert isinstance(refused, KVCapacityExceeded) and "cannot grow further" in str(refused)
 
 
 def test_a_step_past_the_clients_share_is_refused_the_session_intact(target_dir, slot_bytes):
