@@ -22,7 +22,7 @@ from pathlib import Path
 from specsplit.cloud.gateway.admission import RECLAIM_AFTER_S, Admission
 from specsplit.cloud.gateway.security import Security, load_tokens
 from specsplit.cloud.gateway.stream_policy import StreamPolicy
-from specsplit.cloud.kv_growth import KVShape, default_budget_bytes
+from specsplit.cloud.kv_growth import KV_PER_CLIENT_SHARE, KVShape, default_budget_bytes
 from specsplit.cloud.supervision.triton import TritonError, TritonServer
 from specsplit.shared.build_steps import install_hint
 from specsplit.shared.cli_help import HelpFormatter, add_version, deprecated_alias
@@ -236,9 +236,6 @@ def _admission(args: argparse.Namespace, target: Path) -> Admission:
     )
 
 
-KV_PER_CLIENT_SHARE = 0.25  # the default KV quota's share, like the stream quota's of the places
-
-
 def _kv_per_client(args: argparse.Namespace, budget: int | None) -> tuple[int | None, float | None]:
     """The per-client KV quota: (bytes, None) from the flag, 0 off; by default a quarter of the
     budget, or without one (None, a quarter) of the capacity the targets report."""
@@ -249,6 +246,16 @@ def _kv_per_client(args: argparse.Namespace, budget: int | None) -> tuple[int | 
     if args.kv_per_client_mib < 0:
         raise ValueError("--kv-per-client-mib must be >= 0")
     return int(args.kv_per_client_mib * 2**20) or None, None
+
+
+def _target_kv_share(args: argparse.Namespace, budget: int | None) -> float | None:
+    """The share of its KV capacity one client may hold on the targets serve starts: with
+    --kv-per-client-mib, the gateway's quota as a share of its budget (0: off, as the gateway's);
+    else None, the target's default, a quarter like the gateway's (docs/operations.md, "What one
+    client may hold")."""
+    if args.kv_per_client_mib is None or not budget:
+        return None
+    return min(1.0, args.kv_per_client_mib * 2**20 / budget)
 
 
 def _per_client(args: argparse.Namespace) -> int | None:
@@ -341,6 +348,7 @@ async def serve(args: argparse.Namespace) -> int:
                     startup_timeout_s=args.startup_timeout,
                     cpus=cpus,
                     log_dir=args.triton_log_dir,
+                    kv_per_client_share=_target_kv_share(args, admission.budget_bytes),
                 )
                 for cpus in _core_sets(args.replicas)
             ]

@@ -1,7 +1,7 @@
 """How the target's KV slots grow and what a position costs, written once for the engine that
 allocates them (``cloud.engine.kv_slots``, inside Triton) and the gateway that budgets them
-(``cloud.gateway.admission``), with the budget's default. Plain Python: the gateway never imports
-torch.
+(``cloud.gateway.admission``), with the budget's default and the per-client share of it both
+enforce. Plain Python: the gateway never imports torch.
 
 A slot starts at ``MIN_SLOT`` positions and doubles until what it must hold fits. The largest
 block a session verifies at once is ``MAX_DRAFT_TOKENS`` drafts (Limits.max_draft_tokens).
@@ -16,6 +16,10 @@ from pathlib import Path
 MIN_SLOT = 64  # a fresh slot's positions
 MAX_DRAFT_TOKENS = 16  # draft tokens one verification may carry, and the largest hint
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The share of the KV memory one client's sessions may hold together by default: the gateway's
+# quota (of its budget, or of the capacity the targets report) and the target's own (of its
+# capacity, across every gateway), like the stream quota's quarter of the places.
+KV_PER_CLIENT_SHARE = 0.25
 
 
 def slot_positions(length: int) -> int:

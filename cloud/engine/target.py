@@ -18,7 +18,12 @@ has free once the weights are loaded: ``device_kv_capacity``), and reports it wi
 every Open (``model.py``: KV_CAPACITY, KV_HELD), so gateways admit against what it can keep. An
 Open or a step whose slot would grow past it is refused with KVCapacityExceeded (retryable: the
 gateway answers RESOURCE_EXHAUSTED with a retry hint), the pass served without it; so is the
-session behind an out-of-memory error in a pass, which is then run again without it. A session
+session behind an out-of-memory error in a pass, which is then run again without it. One client
+(``Open.client``, the gateway's client hashed; 0: none) may hold at most ``kv_per_client_share``
+of the capacity over all its sessions, whichever gateways opened them (``client_kv_quota``): an
+Open or a step past it is refused the same way, other clients' unaffected; sessions without a
+client count against the whole capacity alone. A session's bytes are its client's until it ends
+(END, an eviction, a lapsed lease: ``client_kv_bytes`` counts the sessions held). A session
 whose Open set a lease (``Open.lease_s``: its gateway's longest silence) is evicted once idle for
 longer, so a gateway that died does not leave its sessions' KV held for the full idle limit.
 
@@ -43,7 +48,11 @@ from specsplit.cloud.capacity import Acceptance, CostModel, max_draft_tokens_hin
 from specsplit.cloud.engine.kv_slots import Slot
 from specsplit.cloud.engine.precision import check_weights, pick_device
 from specsplit.cloud.engine.ragged import RaggedForward, Segment
-from specsplit.cloud.kv_growth import MAX_DRAFT_TOKENS, default_budget_bytes
+from specsplit.cloud.kv_growth import (
+    KV_PER_CLIENT_SHARE,
+    MAX_DRAFT_TOKENS,
+    default_budget_bytes,
+)
 from specsplit.shared.acceptance import (
     RoundResult,
     VerificationRule,
@@ -88,6 +97,7 @@ class _Sequence:
     slot: Slot
     last_used: float = field(default_factory=time.monotonic)
     lease_s: float = 0.0  # evicted once idle this long (0: the engine's idle limit alone)
+    client: int = 0  # whose KV share its slot counts against (0: none)
 
     @property
     def cache_len(self) -> int:
@@ -97,8 +107,9 @@ class _Sequence:
 @dataclass(frozen=True)
 class Open:
     """Opens (or re-opens) session ``sid`` and prefills ``prompt[:-1]``; ``client`` (0: the
-    session alone) is whose share of prefill rows per pass the prompt's rows count against;
-    ``lease_s`` (0: none) how long the session may stay idle before it is evicted."""
+    session alone) is whose share of prefill rows per pass the prompt's rows count against, and
+    whose share of the KV capacity the session's slot counts against; ``lease_s`` (0: none)
+    how long the session may stay idle before it is evicted."""
 
     sid: int
     prompt: Sequence[int]
@@ -244,7 +255,13 @@ class TargetModel:
         calibrate: bool = True,
         weights: str = "auto",
         kv_capacity: int | None = None,  # bytes of KV slots it may hold; None: its device's
+        kv_per_client_share: float = KV_PER_CLIENT_SHARE,  # of kv_capacity, per client; 0: off
     ):
+        if not 0 <= kv_per_client_share <= 1:  # also refuses NaN
+            raise ValueError(
+                f"the per-client KV share must be in [0, 1] (0: off), not {kv_per_client_share}"
+            )
+        self.kv_per_client_share = kv_per_client_share
         if threads:
             torch.set_num_threads(threads)
         self.device = pick_device(device)
@@ -273,7 +290,9 @@ class TargetModel:
         if kv_capacity is not None and kv_capacity < 1:
             raise ValueError("the KV capacity must be > 0 bytes")
         self.kv_capacity = kv_capacity or device_kv_capacity(self.device)
-        log.info("KV capacity %.0f MiB", self.kv_capacity / 2**20)
+        quota = self.client_kv_quota
+        per_client = f"{quota / 2**20:.0f} MiB" if quota is not None else "no quota"
+        log.info("KV capacity %.0f MiB, per client %s", self.kv_capacity / 2**20, per_client)
         log.info(
             "target %s on %s (%s weights, %s), vocab %d",
             model_dir,
@@ -410,14 +429,26 @@ class TargetModel:
         return info
 
     def _within_capacity(self, verifies, outcomes: list) -> list:
-        """``verifies`` less those whose slot would grow past the KV capacity (refused, the
-        session as it was); prompts reserved their whole slot at their Open."""
+        """``verifies`` less those whose slot would grow past the KV capacity or its client's
+        share of it (refused, the session as it was); prompts reserved their whole slot at
+        their Open."""
         kept, held, slots = [], self.kv_bytes, self.forward.slots
+        quota, by_client = self.client_kv_quota, None
         for i, req, session in verifies:
             grow = slots.growth_bytes(session.slot, session.cache_len + len(req.tokens))
             if held + grow > self.kv_capacity:
                 outcomes[i] = self._full(req.sid, grow, "its next step")
                 continue
+            client = session.client
+            if grow and client and quota is not None:
+                by_client = by_client if by_client is not None else self._bytes_by_client()
+                if by_client.get(client, 0) + grow > quota:
+                    whole = session.slot.capacity * slots.bytes_per_token + grow
+                    outcomes[i] = self._client_full(
+                        req.sid, grow, "its next step", by_client.get(client, 0), quota, whole
+                    )
+                    continue
+                by_client[client] = by_client.get(client, 0) + grow
             held += grow
             kept.append((i, req, session))
         return kept
@@ -537,6 +568,11 @@ class TargetModel:
         need = slots.growth_bytes(None, len(req.prompt) - 1)  # the prompt's whole slot, now
         if self.kv_bytes + need > self.kv_capacity:
             raise self._full(req.sid, need, "its prompt")
+        quota = self.client_kv_quota
+        if req.client and quota is not None:
+            held = self.client_kv_bytes(req.client)  # after end(): a re-Open's old slot is freed
+            if held + need > quota:
+                raise self._client_full(req.sid, need, "its prompt", held, quota, need)
         try:
             slot = slots.open(req.sid)
             slots.reserve(slot, len(req.prompt) - 1)
@@ -545,7 +581,8 @@ class TargetModel:
             if _out_of_memory(e):
                 raise self._full(req.sid, need, "its prompt") from e
             raise
-        session = _Sequence(params=req.params, slot=slot, lease_s=max(req.lease_s, 0.0))
+        lease_s = max(req.lease_s, 0.0)
+        session = _Sequence(params=req.params, slot=slot, lease_s=lease_s, client=req.client)
         self.sessions[req.sid] = session
         todo = list(req.prompt[:-1])
         if todo:
@@ -559,6 +596,26 @@ class TargetModel:
             f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, "
             f"{max(self.kv_capacity - self.kv_bytes, 0) / mib:.1f} of "
             f"{self.kv_capacity / mib:.1f} MiB free here; retry when sessions end"
+        )
+
+    def _client_full(
+        self, sid: int, need: int, what: str, held: int, quota: int, whole: int
+    ) -> KVCapacityExceeded:
+        """The refusal of ``need`` more bytes for session ``sid`` past its client's share
+        (``quota``, of which its sessions hold ``held``); ``whole``: the session's slot with
+        them, which alone may be more than the share (then no other session's end helps)."""
+        mib = 2**20
+        if whole <= quota:
+            then = "; retry when its sessions end"
+        elif what == "its prompt":
+            then = "; use a shorter prompt"
+        else:
+            then = "; this session cannot grow further (its slot alone would exceed the share)"
+        return KVCapacityExceeded(
+            f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, and its client's "
+            f"sessions hold {held / mib:.1f} MiB of the client's share of {quota / mib:.1f} MiB "
+            f"({self.kv_per_client_share:g} of the {self.kv_capacity / mib:.1f} MiB here, "
+            f"counted across every gateway){then}"
         )
 
     def _checked(self, req: Verify) -> _Sequence:
@@ -619,6 +676,28 @@ class TargetModel:
     @property
     def kv_bytes(self) -> int:
         return self.forward.slots.bytes_held
+
+    @property
+    def client_kv_quota(self) -> int | None:
+        """Bytes of KV slots one client's sessions may hold together: ``kv_per_client_share``
+        of the capacity; None: no quota."""
+        if not self.kv_per_client_share:
+            return None
+        return max(1, int(self.kv_capacity * self.kv_per_client_share))
+
+    def client_kv_bytes(self, client: int) -> int:
+        """Bytes of KV slots the sessions of ``client`` hold now (0: none counted)."""
+        return self._bytes_by_client().get(client, 0) if client else 0
+
+    def _bytes_by_client(self) -> dict[int, int]:
+        """Per client: the bytes its sessions' slots hold. Counted from the sessions held, so
+        a session that ends in any way (END, an eviction, a lapsed lease, a failed prefill)
+        gives its bytes back without bookkeeping of its own."""
+        bpt, out = self.forward.slots.bytes_per_token, {}
+        for s in self.sessions.values():
+            if s.client:
+                out[s.client] = out.get(s.client, 0) + s.slot.capacity * bpt
+        return out
 
     def _get(self, sid: int) -> _Sequence:
         try:

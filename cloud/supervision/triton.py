@@ -221,6 +221,7 @@ class TritonServer:
         log_verbose: int = 0,
         cpus: set[int] | None = None,
         log_dir: str | Path | None = None,
+        kv_per_client_share: float | None = None,  # None: as inherited, else the model's default
     ):
         self.target_dir = Path(target_dir).resolve()
         self.grpc_port = grpc_port or free_port()
@@ -230,6 +231,7 @@ class TritonServer:
         self.threads = threads
         self.dtype = dtype
         self.weights = weights
+        self.kv_per_client_share = kv_per_client_share
         self.startup_timeout_s = startup_timeout_s
         self.model_repository = model_repository
         self.log_verbose = log_verbose
@@ -272,6 +274,8 @@ class TritonServer:
             extra["SPECSPLIT_TARGET_WEIGHTS"] = self.weights
         if self.threads:
             extra["SPECSPLIT_TARGET_THREADS"] = str(self.threads)
+        if self.kv_per_client_share is not None:
+            extra["SPECSPLIT_KV_PER_CLIENT_SHARE"] = repr(self.kv_per_client_share)
         cmd = [
             str(bundled.binary),
             f"--model-repository={self.model_repository}",

@@ -122,3 +122,18 @@ def test_the_edge_retries_the_targets_refusal_and_loses_no_token():
     gen = asyncio.run(run())
     assert refusals == [10] and gen.stats.retries >= 1
     assert gen.token_ids == [7] * 20
+
+
+def test_serve_tells_its_own_targets_the_gateways_share():
+    """The targets `serve` starts enforce the share its --kv-per-client-mib gives of its budget
+    (0: off, as the gateway's), by default their own quarter, as the gateway's."""
+    from specsplit.cloud.cli import _parser, _target_kv_share
+
+    def share(*flags: str) -> float | None:
+        args = _parser().parse_args(["serve", *flags])
+        return _target_kv_share(args, int(args.kv_budget_mib * 2**20))
+
+    assert share("--kv-budget-mib", "8") is None
+    assert share("--kv-budget-mib", "8", "--kv-per-client-mib", "0") == 0
+    assert share("--kv-budget-mib", "8", "--kv-per-client-mib", "4") == 0.5
+    assert share("--kv-budget-mib", "8", "--kv-per-client-mib", "16") == 1.0

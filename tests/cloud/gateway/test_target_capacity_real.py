@@ -2,12 +2,18 @@
 reports the capacity and what the target holds; a START past the capacity is refused with
 KV_CAPACITY_EXCEEDED (TargetFull at the gateway), the sessions it holds unaffected; a sequence
 whose gateway left without ending it (its stream dropped, no END) is evicted once idle past its
-lease instead of the target's 600 s idle limit."""
+lease instead of the target's 600 s idle limit. One client's share of the capacity holds across
+gateways (issue 39, item 4): a client that holds its share through one gateway is refused a
+START through another, by the target, while another client still gets in, and gets it once
+its session through the first gateway ends."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
+import grpc
 import pytest
 import tritonclient.grpc.aio as aioclient
 
@@ -15,24 +21,48 @@ from specsplit.cloud.gateway.triton_client import SessionLost, TargetFull, Trito
 from specsplit.cloud.kv_growth import MIN_SLOT, KVShape
 from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.shared.acceptance import VerificationRule
+from specsplit.shared.protocol import PROTOCOL_VERSION, RETRY_AFTER_KEY, pb, pb_grpc
 from specsplit.shared.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
-SLOTS = 4  # the capacity: four fresh slots of the tiny target
+SLOTS = 4  # the capacity: four fresh slots of the tiny target (a client's quarter: one)
 LEASE_S = 1.0
+ALICE, BOB = "alice-token", "bob-token"
+# A lock-step session whose client sends no Draft: it holds its fresh slot until its stream ends.
+LOCK_STEP_START = pb.ClientMessage(
+    start=pb.Start(
+        protocol_version=PROTOCOL_VERSION,
+        prompt_ids=[1, 2, 3],
+        sampling=pb.SamplingParams(max_new_tokens=8),
+    )
+)
+
+
+@contextlib.contextmanager
+def _small_serve(tiny, log_dir, *flags: str) -> Iterator[CloudProcess]:
+    """`serve` whose tritonserver has a capacity of SLOTS fresh slots."""
+    capacity_mib = SLOTS * MIN_SLOT * KVShape.from_dir(tiny.target).bytes_per_token / 2**20
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECSPLIT_KV_CAPACITY_MIB", repr(capacity_mib))  # the tritonserver inherits it
+    mp.delenv("SPECSPLIT_KV_PER_CLIENT_SHARE", raising=False)  # the model's default
+    try:
+        with CloudProcess("--target", str(tiny.target), *flags, log_dir=log_dir) as c:
+            yield c
+    finally:
+        mp.undo()
 
 
 @pytest.fixture(scope="module")
 def small(tiny, tmp_path_factory):
-    capacity_mib = SLOTS * MIN_SLOT * KVShape.from_dir(tiny.target).bytes_per_token / 2**20
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECSPLIT_KV_CAPACITY_MIB", repr(capacity_mib))  # the tritonserver inherits it
-    try:
-        args = ["--target", str(tiny.target)]
-        with CloudProcess(*args, log_dir=tmp_path_factory.mktemp("small")) as c:
-            yield c
-    finally:
-        mp.undo()
+    with _small_serve(tiny, tmp_path_factory.mktemp("small")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokens") / "tokens.txt"
+    path.write_text(f"{ALICE}\n{BOB}\n")
+    return path
 
 
 async def _start(client, prompt, lease_s: float = 0.0) -> TritonSequence:
@@ -94,3 +124,83 @@ def test_a_sequence_left_without_an_end_is_evicted_after_its_lease(small):
     lost, step = asyncio.run(run())
     assert lost is not None
     assert step.token >= 0
+
+
+@pytest.fixture(scope="module")
+def two_gateways(small, tiny, tokens, tmp_path_factory):
+    """Two gateway processes in front of the small target, as deploy/k8s runs them behind
+    Envoy; both take Alice's and Bob's tokens, so each counts them as clients."""
+    args = ["--triton-url", small.triton_url, "--target", str(tiny.target)]
+    args += ["--auth-tokens", str(tokens)]
+    with (
+        CloudProcess(*args, log_dir=tmp_path_factory.mktemp("gateway-a")) as a,
+        CloudProcess(*args, log_dir=tmp_path_factory.mktemp("gateway-b")) as b,
+    ):
+        yield a.address, b.address
+
+
+async def _session(channel: grpc.aio.Channel, token: str):
+    """(the open call, None) once Started, or (None, the refusal)."""
+    stub = pb_grpc.SpeculativeDecodingStub(channel)
+    call = stub.Generate(metadata=(("authorization", f"Bearer {token}"),), timeout=120)
+    await call.write(LOCK_STEP_START)
+    try:
+        msg = await call.read()
+    except grpc.aio.AioRpcError as e:
+        return None, e
+    assert msg is not grpc.aio.EOF and msg.WhichOneof("msg") == "started", msg
+    return call, None
+
+
+def test_a_clients_share_holds_across_gateways(two_gateways):
+    address_a, address_b = two_gateways
+
+    async def run():
+        async with (
+            grpc.aio.insecure_channel(address_a) as a,
+            grpc.aio.insecure_channel(address_b) as b,
+        ):
+            alice_a, refused = await _session(a, ALICE)  # her share, through gateway A
+            assert refused is None, refused
+            # Gateway B holds none of Alice's sessions: only the target knows she is at her share.
+            none, refused = await _session(b, ALICE)
+            assert none is None
+            bob_b, bob_refused = await _session(b, BOB)  # another client still gets in
+            alice_a.cancel()  # her session on A ends: the target gives her bytes back
+            again, tries = None, 0
+            while again is None and tries < 20:  # as an edge retries: after each hint
+                tries += 1
+                again, e = await _session(b, ALICE)
+                if again is None:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    hint = dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY, "100")
+                    await asyncio.sleep(int(hint) / 1e3)
+            for call in (bob_b, again):
+                if call is not None:
+                    call.cancel()
+            return refused, bob_refused, again
+
+    refused, bob_refused, again = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "client's share" in refused.details(), refused.details()
+    assert RETRY_AFTER_KEY in dict(refused.trailing_metadata() or ())
+    assert bob_refused is None, bob_refused
+    assert again is not None
+
+
+def test_serve_without_a_kv_quota_starts_its_targets_without_one(tiny, tokens, tmp_path):
+    """`serve --kv-per-client-mib 0` turns the per-client KV quota off on the targets it starts
+    as well as on its gateway: one client may hold more than a quarter of the capacity."""
+    flags = ("--auth-tokens", str(tokens), "--kv-per-client-mib", "0")
+
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            sessions = [await _session(channel, ALICE) for _ in range(2)]
+            for call, _ in sessions:
+                if call is not None:
+                    call.cancel()
+            return [refused for _, refused in sessions]
+
+    with _small_serve(tiny, tmp_path, *flags) as c:
+        refusals = asyncio.run(run(c.address))
+    assert refusals == [None, None], refusals

@@ -28,6 +28,7 @@ from specsplit.cloud.engine.target import (
     TargetModel,
     Verify,
 )
+from specsplit.cloud.kv_growth import KV_PER_CLIENT_SHARE
 from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.sampling import SamplingConfig, SparseDist
 
@@ -157,6 +158,18 @@ class TritonPythonModel:
         capacity_mib = os.environ.get("SPECSPLIT_KV_CAPACITY_MIB") or _param(
             config, "kv_capacity_mib"
         )
+        # The share of the capacity one client's sessions may hold, whichever gateways opened
+        # them (TargetModel.client_kv_quota); 0: no quota.
+        per_client = os.environ.get("SPECSPLIT_KV_PER_CLIENT_SHARE") or _param(
+            config, "kv_per_client_share", str(KV_PER_CLIENT_SHARE)
+        )
+        try:
+            share = float(per_client)
+        except ValueError:
+            raise pb_utils.TritonModelException(
+                f"the per-client KV share {per_client!r} is not a number in [0, 1] (0: off; "
+                "SPECSPLIT_KV_PER_CLIENT_SHARE or the kv_per_client_share parameter)"
+            ) from None
         try:
             self.target = TargetModel(
                 target_dir,
@@ -165,6 +178,7 @@ class TritonPythonModel:
                 weights=weights,
                 packed_linear=os.environ.get("SPECSPLIT_PACKED_LINEAR", "1") != "0",
                 kv_capacity=int(float(capacity_mib) * 2**20) if capacity_mib else None,
+                kv_per_client_share=share,
             )
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from e
