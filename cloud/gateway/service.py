@@ -365,7 +365,7 @@ class _Marked:
 def _target_full(e: TargetFull, wait_ms: int) -> str:
     detail = str(e).split("KV_CAPACITY_EXCEEDED:", 1)[-1].strip()
     return (
-        f"the target's KV memory is full ({detail}); retry in {wait_ms} ms with the committed "
+        f"the target refused more KV memory ({detail}); retry in {wait_ms} ms with the committed "
         "sequence as the prompt, or on another replica"
     )
 

@@ -94,7 +94,7 @@ def test_the_targets_refusal_reaches_the_edge_with_a_retry_hint():
 
     code, details, trailers = asyncio.run(run())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
-    assert "KV memory is full" in details and "retry in" in details
+    assert "the target refused more KV memory" in details and "retry in" in details
     assert int(trailers[RETRY_AFTER_KEY]) > 0
     assert leases == [20 + LEASE_MARGIN_S]
 
