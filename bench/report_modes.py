@@ -210,8 +210,10 @@ def warm_table(records: list[dict]) -> list[str]:
 
 def after_rejection_table(records: list[dict]) -> list[str]:
     """Per split mode and condition: target passes right after a pass that corrected a draft,
-    and how many of them verified no draft (GenerationStats.draftless_after_rejection): the
-    steps a cloud-led target spends before the edge's drafts after the correction reach it."""
+    how many of them verified no draft (GenerationStats.draftless_after_rejection): the steps a
+    cloud-led target spends before the edge's drafts after the correction reach it, and of
+    those the ones before whose Verdict the edge had sent none (GenerationStats.
+    draftless_none_sent: it had nothing consistent to send)."""
     rows = [r for r in records if r.get("passes_after_rejection")]
     if not rows:
         return []
@@ -219,11 +221,13 @@ def after_rejection_table(records: list[dict]) -> list[str]:
         "## Passes right after a correction (cloud-led steps; auto once it led)",
         "",
         "A draftless pass verifies nothing: the edge's drafts after the correction had not"
-        " reached the cloud yet. The cloud waits for them up to half a step where they are"
-        " measured to come sooner (cloud/gateway/cloud_led.py).",
+        " reached the cloud yet. The cloud waits for them where they are measured due sooner"
+        " than waiting pays, at most one step (cloud/gateway/cloud_led.py). *none sent*: the"
+        " edge had sent no Draft after the correction when the pass's Verdict came; the other"
+        " draftless passes stepped without a Draft that was on its way.",
         "",
-        "| condition | T | mode | passes after a correction | draftless | share |",
-        "|---|---|---|---|---|---|",
+        "| condition | T | mode | passes after a correction | draftless | none sent | share |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (link, rtt, t), modes in cells(rows):
         for mode in SPLIT:
@@ -232,9 +236,10 @@ def after_rejection_table(records: list[dict]) -> list[str]:
             if not passes:
                 continue
             draftless = sum(r.get("draftless_after_rejection", 0) for r in group)
+            none_sent = sum(r.get("draftless_none_sent", 0) for r in group)
             lines.append(
                 f"| {condition(rtt, link)} | {t:g} | {mode} | {passes} | {draftless} "
-                f"| {draftless / passes:.2f} |"
+                f"| {none_sent} | {draftless / passes:.2f} |"
             )
     return lines
 

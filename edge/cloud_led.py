@@ -191,13 +191,14 @@ async def cloud_led_rounds(
     verdicts: asyncio.Queue = asyncio.Queue()
     led = handover.led if handover is not None else None
     if led is not None:
-        verdicts.put_nowait(led)
+        verdicts.put_nowait((led, time.perf_counter()))
     over = led is not None and led.finished  # the final Verdict, read already: none to receive
     receiver = asyncio.create_task(asyncio.sleep(0) if over else _receive(stream, verdicts))
     spec = _Speculation(handover.block if handover else None, len(committed))
     drafts = _Drafts(stream, committed, started, handover)
     paused, hint = 0, max_draft_tokens
     after_rejection = False  # the previous Verdict corrected a draft
+    sent_at: float | None = None  # when the first Draft after the last correction left
     stale_from = 0  # Verdict.drafts_dropped when drafting last (re)started
     remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
@@ -221,24 +222,33 @@ async def cloud_led_rounds(
                 worker = None
                 if prefix == [*committed.tokens, *spec.tokens]:  # no verdict moved it meanwhile
                     spec.add(token, q)
+                    leaves = time.perf_counter()
                     if not await drafts.send(spec):
                         paused = -1  # no more drafting on this stream
+                    elif sent_at is None:
+                        sent_at = leaves
             if not getter.done():
                 continue
             ready, getter = [getter.result()], None
             while not verdicts.empty():
                 ready.append(verdicts.get_nowait())
-            for v in ready:
-                if isinstance(v, Exception):
-                    raise v
+            for item in ready:
+                if isinstance(item, Exception):
+                    raise item
+                v, came = item
                 now = time.perf_counter()
                 chunk, offset = drafts.apply(v)
                 step = stats.observe_round(v, (now - t_prev) * 1e3, draft_ms=0.0)
                 stats.observe_pass(CLOUD_LED, len(chunk), (now - t_prev) * 1e3)
                 # The cloud led before a lead Draft of ours reached it (or led us: edge.lockstep)
                 stats.observe_lead(0, by_cloud=v.led)
-                stats.observe_cloud_led_pass(step, after_rejection)
+                # Had a Draft after the correction left before this Verdict came? (Drafts sent
+                # before the correction was read were drafted after the rejected token.)
+                sent = sent_at is not None and sent_at < came
+                stats.observe_cloud_led_pass(step, after_rejection, sent)
                 after_rejection = v.has_token and step.accepted < step.drafted
+                if after_rejection:
+                    sent_at = None
                 if reach is not None:
                     reach.observe(offset, step.drafted, step.accepted, now, len(chunk))
                 t_prev = now
@@ -267,7 +277,7 @@ async def _receive(stream: Stream, verdicts: asyncio.Queue) -> None:
     try:
         while True:
             v = await stream.recv("verdict")
-            verdicts.put_nowait(v)
+            verdicts.put_nowait((v, time.perf_counter()))
             if v.finished:
                 return
     except Exception as e:  # handed to the loop, which raises it

@@ -112,9 +112,13 @@ class GenerationStats:
     led_at_start: bool = False
     cloud_took_lead: bool = False  # auto: the cloud switched to cloud-led itself (Verdict.led)
     # cloud-led: target passes right after a pass that rejected a draft, and of them those that
-    # verified no draft (the edge's drafts after the correction had not reached the cloud)
+    # verified no draft (the edge's drafts after the correction had not reached the cloud) ...
     passes_after_rejection: int = 0
     draftless_after_rejection: int = 0
+    # ... and of those, the ones before whose Verdict the edge had sent no Draft after the
+    # correction (it had nothing consistent to send); the others had one on its way that the
+    # step did not wait for (cloud.gateway.cloud_led: waiting did not pay, or its bound ran out)
+    draftless_none_sent: int = 0
     # per session mode the rounds ran in ("lock-step", "cloud-led"): [target passes, tokens
     # committed, ms Verdict to Verdict] (edge.mode_switch.Yield: what each mode yielded)
     mode_passes: dict[str, list[float]] = field(default_factory=dict)
@@ -201,12 +205,14 @@ class GenerationStats:
             self.lead_round = round_no
         self.cloud_took_lead |= by_cloud
 
-    def observe_cloud_led_pass(self, step: StepCounts, after_rejection: bool) -> None:
+    def observe_cloud_led_pass(self, step: StepCounts, after_rejection: bool, sent: bool) -> None:
         """A cloud-led pass (``step``, its counts), ``after_rejection``: the pass before
-        corrected a draft."""
+        corrected a draft; ``sent``: a Draft after that correction had left the edge before
+        this pass's Verdict came."""
         if after_rejection:
             self.passes_after_rejection += 1
             self.draftless_after_rejection += step.drafted == 0
+            self.draftless_none_sent += step.drafted == 0 and not sent
 
     def observe_drafts_sent(self, n: int) -> None:
         """Cloud-led rounds' Drafts that reached the stream."""

@@ -25,35 +25,53 @@ they agreed with probability sum p*q, below one half on prose at T = 0.7).
 
 After a step that rejected a draft, every Draft in the pool continues the rejected token, so the
 next step would verify nothing (a draftless pass) until the edge has heard of the correction and
-sent drafts after it, a round trip plus a draft token later. ``_Due`` measures that delay per
-session (from the rejecting Verdict to the first Draft consistent with it); where it is due
-within WAIT_SHARE of a one-row step (Started.step_ms), the next step waits for it, at most
-WAIT_SHARE of a step after the rejection: a step that verifies the edge's drafts then replaces a
-draftless one that would have made one token in a whole step. Farther than that (a long link),
-the cloud steps on without waiting, as before: never slower than cloud-only. The wait depends
-only on timing, never on the numbers a step draws, so the output is unchanged (lossless as
-above).
+sent drafts after it, a round trip plus a draft token later. Whether the next step waits for
+them is a break-even. Stepping at once makes one token in a one-row step s_1 (Started.step_ms),
+the cloud-only rate. Waiting w for a Draft of k tokens and verifying it makes, in expectation,
+E(a, k) = (1 - a^(k+1)) / (1 - a) tokens in w + s_(k+1), a pass of k + 1 rows. Waiting pays when
+it makes tokens faster than the draftless step, E(a, k) / (w + s_(k+1)) > 1 / s_1, that is
+
+    w < w* = E(a, k) * s_1 - s_(k+1)
+
+so the step waits while the Draft is measured due within min(w*, s_1) of the rejecting Verdict,
+and at most until then: one step is the hard cap a lost Draft stalls the session, and a Draft
+that comes when measured keeps the expected rate at or above cloud-only's. ``_Due`` holds the
+measurements: a, the session's acceptance over its cloud-led steps that verified drafts
+(cloud.capacity.Acceptance; before any, the prior PRIOR_ACCEPTANCE: at k = 1 and free rows it
+waits up to half a step); k, the tokens the first consistent Draft after a correction held (1
+before any: the edge sends each token as it drafts it, edge/cloud_led.py); s_(k+1) / s_1 from
+the gateway's cost curve (cloud.capacity.CostModel, 1 until it has two sizes); the delay from
+the rejecting Verdict to that Draft, an average over corrections (before any, one wait up to the
+bound measures it). On a long link the Draft is due later than w*, and the cloud steps on at
+once, as in cloud-only. The wait depends only on timing, never on the numbers a step draws, so
+the output is unchanged (lossless as above). ``AfterRejection`` counts what the passes after a
+correction found, the draftless ones split by whether the step had waited.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
+from specsplit.cloud.capacity import Acceptance, StepTime, expected_tokens
 from specsplit.cloud.gateway.handover import Handover, PendingDraft
 from specsplit.cloud.gateway.messages import next_draft
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.session import Code, Finish, ProtocolError
 from specsplit.shared.protocol import pb
 
+log = logging.getLogger(__name__)
+
 POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
-# Wait for a Draft after a rejection only when it is due within this share of a one-row step:
-# waiting w and verifying it beats a draftless step (one token per step) for w well below a
-# step; at half a step a wait never costs more than the step it saves would.
-WAIT_SHARE = 0.5
+# A session's acceptance before its cloud-led steps measured any, and the weight (in drafts) it
+# keeps against them: even odds, so that a few measured steps decide.
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0
+WAIT_CAP_STEPS = 1.0  # the longest wait after a rejection, in one-row steps
 
 
 def reads_per_step(max_draft_tokens: int) -> int:
@@ -95,9 +113,13 @@ class DraftPool:
     def _drop(self, draft: PendingDraft) -> None:
         self.dropped += not draft.used
 
-    def consistent(self, committed: list[int]) -> bool:
-        """Some Draft held here has tokens to verify after ``committed``."""
-        return any(d.offset(committed) is not None for d in self.drafts)
+    def ahead(self, committed: list[int]) -> int:
+        """Tokens the freshest Draft held here consistent with ``committed`` has to verify
+        after it (0: none)."""
+        for draft in reversed(self.drafts):
+            if (off := draft.offset(committed)) is not None:
+                return len(draft.tokens) - off
+        return 0
 
     def take(self, committed: list[int], limit: int) -> tuple[PendingDraft | None, list, list]:
         """The freshest consistent Draft and its next ``limit`` tokens (and q) after
@@ -119,12 +141,27 @@ class DraftPool:
         return best, tokens, [] if best.q is None else best.q[off : off + limit]
 
 
+@dataclass
+class AfterRejection:
+    """Cloud-led passes right after a pass that rejected a draft, by what they found."""
+
+    passes: int = 0
+    waited: int = 0  # waited for a Draft consistent with the correction, and one came in time
+    # Draftless: the step waited its bound out and nothing consistent had reached the cloud ...
+    draftless_waited: int = 0
+    # ... or it did not wait (the Draft measured due later than waiting pays, no step measured)
+    draftless_unwaited: int = 0
+
+
 class _Due:
-    """When a Draft consistent with a step's correction arrives after the rejecting Verdict:
-    the latest delay (ms, an EMA over rejections) and whether one is awaited now."""
+    """When a Draft consistent with a step's correction arrives after the rejecting Verdict, and
+    how long the next step waits for it (the break-even in the module docstring): the delay
+    (ms, an average over corrections), the tokens that Draft held after committed_len, and
+    whether one is awaited now."""
 
     def __init__(self) -> None:
         self.ms: float | None = None
+        self.k: float | None = None
         self.since: float | None = None  # the rejecting Verdict, while none arrived yet
         self.arrived = asyncio.Event()
 
@@ -134,21 +171,41 @@ class _Due:
 
     def observe(self, pool: DraftPool, committed: list[int], now: float) -> None:
         """After the reader added a Draft: is one consistent with the correction here now?"""
-        if self.since is None or not pool.consistent(committed):
+        if self.since is None or not (k := pool.ahead(committed)):
             return
-        ms = (now - self.since) * 1e3
-        self.ms = ms if self.ms is None else 0.7 * self.ms + 0.3 * ms
+        self._delay((now - self.since) * 1e3)
+        self.k = k if self.k is None else 0.7 * self.k + 0.3 * k
         self.since = None
         self.arrived.set()
 
-    def wait_s(self, step_ms: float, now: float) -> float:
-        """How long the next step waits for a consistent Draft: 0 unless one is awaited and,
-        as measured, due within WAIT_SHARE of a step."""
-        if self.since is None or self.ms is None or step_ms <= 0:
+    def expired(self, now: float) -> None:
+        """A wait ran its bound out with nothing measured before: the delay is at least that."""
+        if self.since is not None and self.ms is None:
+            self._delay((now - self.since) * 1e3)
+
+    def _delay(self, ms: float) -> None:
+        self.ms = ms if self.ms is None else 0.7 * self.ms + 0.3 * ms
+
+    def bound_ms(self, steps: StepTime, acceptance: float, limit: int) -> float:
+        """min(w*, WAIT_CAP_STEPS * s_1): the longest a step after a rejection waits (ms)."""
+        s_1 = steps.ms
+        if s_1 <= 0 or limit <= 0:
             return 0.0
-        if self.ms > WAIT_SHARE * step_ms:
+        k = min(limit, max(1, round(self.k or 1)))
+        costs = steps.costs
+        rows = costs.cost(k + 1) / costs.cost(1) if len(costs.ms) >= 2 else 1.0
+        w = expected_tokens(acceptance, k) * s_1 - rows * s_1
+        return max(0.0, min(w, WAIT_CAP_STEPS * s_1))
+
+    def wait_s(self, steps: StepTime, acceptance: float, limit: int, now: float) -> float:
+        """How long the next step waits for a consistent Draft from ``now`` (s): 0 unless one is
+        awaited and, as measured (or not measured yet), due within the bound."""
+        if self.since is None or steps.ms <= 0:
             return 0.0
-        return max(0.0, self.since + WAIT_SHARE * step_ms / 1e3 - now)
+        bound = self.bound_ms(steps, acceptance, limit)
+        if self.ms is not None and self.ms > bound:
+            return 0.0
+        return max(0.0, self.since + bound / 1e3 - now)
 
 
 class ReadingTail:
@@ -162,13 +219,20 @@ class ReadingTail:
 
 
 async def cloud_led_rounds(
-    step: Round, messages, tail: ReadingTail, handover: Handover | None = None
+    step: Round,
+    messages,
+    tail: ReadingTail,
+    handover: Handover | None = None,
+    after_rejection: AfterRejection | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> AsyncIterator[pb.Verdict]:
     """Verdicts of a cloud-led session, one per target step, until generation ends, its reader
     then left in ``tail``; from a lock-step session's ``handover`` (cloud.gateway.handover): its
     lead Draft is verified by the first step; where the server took the lead, the read of the
     first Draft still under way is the reader's first read, a lead Draft sent before the client
-    heard of the switch is read as an ordinary one, and the first Verdict says Verdict.led."""
+    heard of the switch is read as an ordinary one, and the first Verdict says Verdict.led.
+    ``after_rejection`` counts the passes after a correction (logged at the end either way);
+    ``clock`` (seconds) times the waits after them."""
     first = handover.lead if handover is not None else None
     reading = handover.reading if handover is not None else None
     session = step.session
@@ -190,6 +254,9 @@ async def cloud_led_rounds(
 
     took_lead = led_first = reading is not None
     due = _Due()
+    acceptance = Acceptance(prior=PRIOR_ACCEPTANCE, prior_weight=PRIOR_WEIGHT)
+    counts = after_rejection if after_rejection is not None else AfterRejection()
+    rejected = False  # the previous step rejected a draft
 
     async def read() -> None:
         try:  # no idle timeout: the edge may stop drafting while the cloud streams on
@@ -209,7 +276,7 @@ async def cloud_led_rounds(
                 q = step.check(d, exact_base=False)
                 draft = PendingDraft(d.round, d.base_len, list(d.tokens), q)
                 pool.add(draft, d.continues, session.committed_len)
-                due.observe(pool, session.committed, time.perf_counter())
+                due.observe(pool, session.committed, clock())
             else:
                 return  # a half-close: the client only listens from now on
         except ProtocolError as e:
@@ -226,11 +293,20 @@ async def cloud_led_rounds(
                 session.finish = Finish.CANCELLED
                 break
             draft, tokens, q = pool.take(session.committed, limit)
-            wait_s = due.wait_s(step.steps.ms, time.perf_counter()) if draft is None else 0.0
-            if wait_s > 0:  # a Draft after the correction is due sooner than the step
+            wait_s = 0.0
+            if draft is None:
+                wait_s = due.wait_s(step.steps, acceptance.rate, limit, clock())
+            if wait_s > 0:  # a Draft after the correction is due sooner than waiting costs
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(due.arrived.wait(), wait_s)
                 draft, tokens, q = pool.take(session.committed, limit)
+                if draft is None:
+                    due.expired(clock())
+            if rejected:
+                counts.passes += 1
+                counts.waited += wait_s > 0 and draft is not None
+                counts.draftless_waited += wait_s > 0 and draft is None
+                counts.draftless_unwaited += wait_s == 0 and draft is None
             t0 = time.perf_counter()
             round_no = draft.round if draft is not None else 0  # a continuation may come in
             verdict = await step.verdict(tokens, q, t0)
@@ -240,8 +316,11 @@ async def cloud_led_rounds(
             verdict.drafts_dropped = pool.dropped
             verdict.drafts_verified = len(tokens)
             verdict.led, led_first = led_first, False  # the server took the lead: say so once
-            if verdict.has_token and verdict.accepted < len(tokens):  # a correction
-                due.rejected(time.perf_counter())
+            if tokens:
+                acceptance.observe(verdict.accepted, len(tokens))
+            rejected = verdict.has_token and verdict.accepted < len(tokens)  # a correction
+            if rejected:
+                due.rejected(clock())
             yield verdict  # its hint caps the edge's speculation; the edge obeys it there
     except BaseException:
         reader.cancel()
@@ -258,3 +337,4 @@ async def cloud_led_rounds(
     finally:
         session.drafts_dropped = pool.dropped + sum(not d.used for d in pool.drafts)
         session.drafts_used = pool.used
+        log.debug("cloud-led passes after a rejection: %s", counts)

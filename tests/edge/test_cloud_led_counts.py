@@ -1,12 +1,27 @@
-"""Cloud-led rounds count the passes right after a correction and the draftless ones among them
-(GenerationStats): SplitClient against an in-process gateway with a rule-verifying fake."""
+"""Cloud-led rounds count the passes right after a correction, the draftless ones among them and
+of those the ones the edge had sent nothing for (GenerationStats): SplitClient against an
+in-process gateway with a rule-verifying fake, and the loop against a scripted far end
+(tests.edge.fake_cloud)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from specsplit.edge.client import GenerationConfig, SplitClient
-from tests.edge.test_cloud_takes_lead import PROMPT, RuleDrafter, RuleTarget, expected
+from specsplit.edge.cloud_led import cloud_led_rounds
+from specsplit.shared.session_mode import SessionMode
+from tests.edge.fake_cloud import (
+    GREEDY,
+    FakeCloudStream,
+    FakeProposer,
+    committed,
+    expected,
+    plan,
+)
+from tests.edge.test_cloud_takes_lead import PROMPT, RuleDrafter, RuleTarget
+from tests.edge.test_cloud_takes_lead import expected as rule_expected
 from tests.fakes import gateway
 
 
@@ -30,7 +45,7 @@ def test_passes_after_a_correction_are_counted_and_the_output_is_the_targets():
 
     gen = asyncio.run(run())
     s = gen.stats
-    assert gen.token_ids == expected(48)
+    assert gen.token_ids == rule_expected(48)
     assert s.accepted < s.drafted  # corrections happened ...
     assert 0 < s.passes_after_rejection <= s.rounds - 1  # ... and a pass followed them
     assert 0 <= s.draftless_after_rejection <= s.passes_after_rejection
@@ -49,3 +64,45 @@ def test_drafting_pauses_once_the_cloud_dropped_every_draft_as_stale():
     assert _pause(stats, 5, PAUSE_STALE) == 4  # paused: counts down
     stats.drafted, stats.accepted = 3, 2  # some Draft was verified: stale ones are timing
     assert _pause(stats, 0, 10 * PAUSE_STALE) == 0
+
+
+class StepsDraftlessAfterCorrections(FakeCloudStream):
+    """A cloud-led far end whose pass after each correction verifies no draft: at once (before
+    the edge can have heard of the correction), or, with ``after_draft``, only once the edge's
+    first Draft after it came (a step that did not wait for it: it was on its way)."""
+
+    def __init__(self, new_tokens: int, after_draft: bool) -> None:
+        super().__init__(new_tokens, SessionMode.CLOUD_LED)
+        self.after_draft = after_draft
+        self.fresh = asyncio.Event()  # a Draft restarted from the committed length came
+
+    async def send(self, msg) -> None:
+        await super().send(msg)
+        if msg.draft.base_len == self.committed_len and not msg.draft.continues:
+            self.fresh.set()
+
+    async def recv(self, kind: str):
+        last = self.verdicts[-1] if self.verdicts else None
+        if last is None or last.finished or last.accepted == last.drafts_verified:
+            return await super().recv(kind)
+        self.fresh.clear()  # before the edge read the correction: no Draft after it yet
+        if self.after_draft:
+            await self.fresh.wait()
+        return self._verdict(0, [])
+
+
+@pytest.mark.parametrize("after_draft", [False, True])
+def test_draftless_passes_after_a_correction_say_whether_the_edge_had_sent_a_draft(after_draft):
+    stream, seq = StepsDraftlessAfterCorrections(31, after_draft), committed()
+    rounds = cloud_led_rounds(
+        stream, seq, FakeProposer(), GREEDY, plan(SessionMode.CLOUD_LED), stream.started_message()
+    )
+
+    async def run():
+        return [c async for c in rounds]
+
+    assert sum(asyncio.run(run()), []) == expected(31)
+    s = stream.stats
+    assert s.passes_after_rejection > 0
+    assert s.draftless_after_rejection == s.passes_after_rejection
+    assert s.draftless_none_sent == (0 if after_draft else s.passes_after_rejection)
