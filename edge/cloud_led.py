@@ -74,6 +74,7 @@ SENT_KEPT = 64  # Drafts remembered to read Verdicts against
 UNSURE = 0.6
 BRANCH_TOKENS = 4
 BRANCHES = 2
+BRANCH_AT = "first"
 
 
 class _Speculation:
@@ -276,6 +277,11 @@ class _Reach:
     def out_of_reach(self) -> bool:
         return self.lag >= self.reachable()
 
+    def first(self, want: int) -> int:
+        """The part of ``want`` the next step verifies: the lag and one reach of two."""
+        lag = round(self.lag)
+        return min(want, lag + max(1, (want - lag + 1) // 2))
+
     def want(self, hint: int) -> int:
         if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
             return min(self.limit, round(self.lag) + self.sent + min(self.max_draft_tokens, hint))
@@ -329,17 +335,20 @@ async def cloud_led_rounds(
             # No Draft can be verified while the cloud commits past the speculation's reach
             # before one arrives: the edge drafts nothing then, as if paused.
             idle = paused != 0 or (reach is not None and reach.out_of_reach())
+            # Branches once the speculation reaches what the next step verifies (BRANCH_AT
+            # "first") or all it wants ("want"); the speculation to ``want`` after them.
+            first = want if reach is None or BRANCH_AT == "want" else reach.first(want)
             if worker is None and not idle:
-                if len(spec.tokens) < want:  # the speculation first
-                    prefix = [*committed.tokens, *spec.tokens]
-                    worker = Worker(draw, prefix, rule)
-                elif branches.enabled and len(spec.tokens) > 1:  # time the edge would idle
+                if len(spec.tokens) >= first and branches.enabled and len(spec.tokens) > 1:
                     skip = int(reach.lag) if reach else 0
                     if branches.building is None:
                         branches.building = branches.pick(committed, spec, skip)
                     if branches.building is not None:
                         prefix = branches.building.sequence
                         worker = Worker(draw, prefix, rule)
+                if worker is None and len(spec.tokens) < want:
+                    prefix = [*committed.tokens, *spec.tokens]
+                    worker = Worker(draw, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
