@@ -17,19 +17,19 @@ token drafted twice after the same prefix is the same token (a speculation rebui
 equals the one drafted before it), and where the cloud draws a position itself, with no Draft
 there, it often draws the token the speculation holds, which keeps the speculation after it
 alive at T > 0.
-Branch-ahead (greedy sessions, ``GenerationConfig.branch_ahead``): once the speculation reaches
-as far as is worth verifying (the edge would idle), at its earliest position (past the lag)
-where the draft's top token has probability under UNSURE, the edge also drafts the continuation
-after its second choice (``Alternative``, BRANCH_TOKENS in all) and sends it as an ordinary
-full Draft: the speculation up to that position, the second choice, its continuation (base_len
-is committed_len: a Draft based past the cloud's committed_len is refused). If the cloud
+Branch-ahead (greedy sessions, ``GenerationConfig.branch_ahead``, off by default): once the
+speculation reaches what the next step verifies (``_Reach.first``), at its earliest position (past
+the lag) where the draft's top token has probability under UNSURE, the edge also drafts the
+continuation after its second choice (``Alternative``, BRANCH_TOKENS in all) and sends it as an
+ordinary full Draft: the speculation up to that position, the second choice, its continuation
+(base_len is committed_len: a Draft based past the cloud's committed_len is refused). If the cloud
 corrects that position to the second choice, its pool already holds a Draft consistent with the
 correction, and the next step verifies it without waiting for the edge to hear of it. The
-speculation is then sent again in full, so that it is the freshest Draft while it is consistent
-(the cloud takes the freshest) and its next token continues it (Draft.continues extends the
-last Draft received). Where the correction was the branch, the speculation restarts from the
-branch's tokens instead of drafting them again. At T > 0 no branch: a draft token must be drawn
-from the q sent with it, and a second choice is no draw.
+speculation is then sent again in full, so that it is the freshest Draft while it is consistent (the
+cloud takes the freshest) and its next token continues it (Draft.continues extends the last Draft
+received). Where the correction was the branch, the speculation restarts from the branch's tokens
+instead of drafting them again. At T > 0 no branch: a draft token must be drawn from the q sent with
+it, and a second choice is no draw.
 Drafting stops where no Draft can be verified: while the tokens the cloud commits during a round
 trip (measured, or estimated from Start's round trip and the cloud's pace) are more than the
 speculation holds positions worth verifying (``_Reach.out_of_reach``). It pauses when it does
@@ -74,7 +74,6 @@ SENT_KEPT = 64  # Drafts remembered to read Verdicts against
 UNSURE = 0.6
 BRANCH_TOKENS = 4
 BRANCHES = 2
-BRANCH_AT = "first"
 
 
 class _Speculation:
@@ -335,9 +334,9 @@ async def cloud_led_rounds(
             # No Draft can be verified while the cloud commits past the speculation's reach
             # before one arrives: the edge drafts nothing then, as if paused.
             idle = paused != 0 or (reach is not None and reach.out_of_reach())
-            # Branches once the speculation reaches what the next step verifies (BRANCH_AT
-            # "first") or all it wants ("want"); the speculation to ``want`` after them.
-            first = want if reach is None or BRANCH_AT == "want" else reach.first(want)
+            # Branches once the speculation reaches what the next step verifies; the
+            # speculation on to ``want`` after them.
+            first = want if reach is None else reach.first(want)
             if worker is None and not idle:
                 if len(spec.tokens) >= first and branches.enabled and len(spec.tokens) > 1:
                     skip = int(reach.lag) if reach else 0

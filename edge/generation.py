@@ -70,8 +70,10 @@ class GenerationConfig:
     # Greedy cloud-led speculations also draft, where the draft is unsure of a token, the
     # continuation after its second choice and send it as a Draft, so that the pass after a
     # correction to that token verifies it instead of nothing (edge/cloud_led.py, branch-ahead).
-    # Output is the same either way; never at T > 0.
-    branch_ahead: bool = True
+    # Output is the same either way; never at T > 0. Off by default: at RTT 100 ms it made
+    # fewer passes after a correction draftless but no measurable tokens/s, for extra draft
+    # steps on the device (docs/design.md#cloud-led).
+    branch_ahead: bool = False
 
     @property
     def reproducible(self) -> bool:
