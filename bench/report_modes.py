@@ -213,7 +213,9 @@ def after_rejection_table(records: list[dict]) -> list[str]:
     how many of them verified no draft (GenerationStats.draftless_after_rejection): the steps a
     cloud-led target spends before the edge's drafts after the correction reach it, and of
     those the ones before whose Verdict the edge had sent none (GenerationStats.
-    draftless_none_sent: it had nothing consistent to send)."""
+    draftless_none_sent: it had nothing consistent to send); and the corrections a branch had
+    been sent for (GenerationStats.corrections_branched, of corrections) and the passes after a
+    correction that verified one (branch_passes)."""
     rows = [r for r in records if r.get("passes_after_rejection")]
     if not rows:
         return []
@@ -224,10 +226,14 @@ def after_rejection_table(records: list[dict]) -> list[str]:
         " reached the cloud yet. The cloud waits for them where they are measured due sooner"
         " than waiting pays, at most one step (cloud/gateway/cloud_led.py). *none sent*: the"
         " edge had sent no Draft after the correction when the pass's Verdict came; the other"
-        " draftless passes stepped without a Draft that was on its way.",
+        " draftless passes stepped without a Draft that was on its way. *branched*: corrections"
+        " whose token a branch Draft had carried before the correcting Verdict came (greedy"
+        " edges branch where the draft is unsure, edge/cloud_led.py); *verified a branch*: passes"
+        " after a correction that verified one.",
         "",
-        "| condition | T | mode | passes after a correction | draftless | none sent | share |",
-        "|---|---|---|---|---|---|---|",
+        "| condition | T | mode | passes after a correction | draftless | none sent | share"
+        " | branched | verified a branch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (link, rtt, t), modes in cells(rows):
         for mode in SPLIT:
@@ -237,9 +243,13 @@ def after_rejection_table(records: list[dict]) -> list[str]:
                 continue
             draftless = sum(r.get("draftless_after_rejection", 0) for r in group)
             none_sent = sum(r.get("draftless_none_sent", 0) for r in group)
+            corrections = sum(r.get("corrections", 0) for r in group)
+            branched = sum(r.get("corrections_branched", 0) for r in group)
+            verified = sum(r.get("branch_passes", 0) for r in group)
             lines.append(
                 f"| {condition(rtt, link)} | {t:g} | {mode} | {passes} | {draftless} "
-                f"| {none_sent} | {draftless / passes:.2f} |"
+                f"| {none_sent} | {draftless / passes:.2f} | {branched}/{corrections} "
+                f"| {verified} |"
             )
     return lines
 

@@ -17,6 +17,19 @@ token drafted twice after the same prefix is the same token (a speculation rebui
 equals the one drafted before it), and where the cloud draws a position itself, with no Draft
 there, it often draws the token the speculation holds, which keeps the speculation after it
 alive at T > 0.
+Branch-ahead (greedy sessions, ``GenerationConfig.branch_ahead``, off by default): once the
+speculation reaches what the next step verifies (``_Reach.first``), at its earliest position (past
+the lag) where the draft's top token has probability under UNSURE, the edge also drafts the
+continuation after its second choice (``Alternative``, BRANCH_TOKENS in all) and sends it as an
+ordinary full Draft: the speculation up to that position, the second choice, its continuation
+(base_len is committed_len: a Draft based past the cloud's committed_len is refused). If the cloud
+corrects that position to the second choice, its pool already holds a Draft consistent with the
+correction, and the next step verifies it without waiting for the edge to hear of it. The
+speculation is then sent again in full, so that it is the freshest Draft while it is consistent (the
+cloud takes the freshest) and its next token continues it (Draft.continues extends the last Draft
+received). Where the correction was the branch, the speculation restarts from the branch's tokens
+instead of drafting them again. At T > 0 no branch: a draft token must be drawn from the q sent with
+it, and a second choice is no draw.
 Drafting stops where no Draft can be verified: while the tokens the cloud commits during a round
 trip (measured, or estimated from Start's round trip and the cloud's pace) are more than the
 speculation holds positions worth verifying (``_Reach.out_of_reach``). It pauses when it does
@@ -29,12 +42,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.drafting import Block, DraftRule
+from specsplit.edge.drafting import Alternative, Block, DraftRule
 from specsplit.edge.handover import Handover
 from specsplit.edge.mode_switch import CLOUD_LED
 from specsplit.edge.proposer import Proposer
@@ -54,6 +68,12 @@ PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
 PAUSE_STALE = 8
 PACE_TOKENS = 4  # tokens whose Verdicts measure the cloud's pace before it replaces Started.step_ms
 SENT_KEPT = 64  # Drafts remembered to read Verdicts against
+# Branch-ahead: the draft's top-token probability under which a position gets a branch
+# (measured: docs/design.md#cloud-led), the tokens of a branch (its second choice first), and the
+# branches held at once for positions not committed yet.
+UNSURE = 0.6
+BRANCH_TOKENS = 4
+BRANCHES = 2
 
 
 class _Speculation:
@@ -62,20 +82,115 @@ class _Speculation:
     def __init__(self, lead: Block | None = None, committed_len: int = 0) -> None:
         self.tokens: list[int] = []
         self.q: list = []
+        self.alts: list[Alternative | None] = []  # the draft's second choice at each token
         self.sent_to: int | None = None  # where the last Draft of this speculation ended
         if lead is not None:  # a lock-step stream's lead Draft: sent already
             self.tokens, self.q = list(lead.tokens), list(lead.q or [None] * len(lead.tokens))
+            self.alts = [None] * len(lead.tokens)
             self.sent_to = committed_len + len(lead.tokens)
 
-    def add(self, token: int, q) -> None:
+    def add(self, token: int, q, alt: Alternative | None = None) -> None:
         self.tokens.append(token)
         self.q.append(q)
+        self.alts.append(alt)
 
     def consume(self, chunk: list[int]) -> None:
         if self.tokens[: len(chunk)] == chunk:
-            self.tokens, self.q = self.tokens[len(chunk) :], self.q[len(chunk) :]
+            n = len(chunk)
+            self.tokens, self.q, self.alts = self.tokens[n:], self.q[n:], self.alts[n:]
         else:  # the cloud went elsewhere: everything drafted after the fork is useless
-            self.tokens, self.q, self.sent_to = [], [], None
+            self.tokens, self.q, self.alts, self.sent_to = [], [], [], None
+
+    def restart(self, tokens: list[int], alts: list[Alternative | None]) -> None:
+        """From tokens drafted already after the committed prefix (a branch's), none of them
+        sent as this speculation: its next Draft is a full one."""
+        self.tokens, self.q, self.alts, self.sent_to = tokens, [None] * len(tokens), alts, None
+
+
+@dataclass
+class _Branch:
+    """A branch: the draft's second choice at sequence index ``pos`` after ``prefix`` (the
+    committed prefix and the speculation then), and the draft's continuation after it."""
+
+    pos: int
+    prefix: list[int]
+    tokens: list[int]  # the second choice first
+    alts: list[Alternative | None]  # the draft's second choice after each of ``tokens``
+    sent_at: float | None = None  # when its Draft left (None: still being drafted)
+    round: int = 0  # its Draft's round
+
+    @property
+    def sequence(self) -> list[int]:
+        return [*self.prefix, *self.tokens]
+
+
+class _Branches:
+    """Branch-ahead drafts of a greedy cloud-led speculation (module docstring): the one being
+    drafted, the ones sent whose position is not passed yet, and the positions tried."""
+
+    def __init__(self, enabled: bool, limit: int) -> None:
+        self.enabled, self.limit = enabled, limit
+        self.building: _Branch | None = None
+        self.sent: list[_Branch] = []
+        self.rounds: set[int] = set()  # the rounds of the branch Drafts sent (the last SENT_KEPT)
+        self.count = 0  # branch Drafts sent
+        self.tried: set[tuple[int, int]] = set()  # (position, second choice) branched
+
+    def pick(self, committed: Committed, spec: _Speculation, skip: int) -> _Branch | None:
+        """A new branch at the earliest position at least ``skip`` past committed_len where the
+        draft is unsure and not branched yet, with room for a token after its second choice
+        within a Draft of ``limit``; None: no such position, or BRANCHES held already."""
+        n = len(committed)
+        if len(self.sent) >= BRANCHES:
+            return None
+        for i in range(skip, min(len(spec.tokens), self.limit - 1)):
+            alt = spec.alts[i]
+            if alt is None or alt.p_top >= UNSURE or (n + i, alt.token) in self.tried:
+                continue
+            self.tried.add((n + i, alt.token))
+            prefix = [*committed.tokens, *spec.tokens[:i]]
+            return _Branch(n + i, prefix, [alt.token], [None])
+        return None
+
+    def full(self, branch: _Branch, committed_len: int) -> bool:
+        """Holds BRANCH_TOKENS, or as many as a Draft of ``limit`` from committed_len takes."""
+        room = self.limit - (branch.pos - committed_len)
+        return len(branch.tokens) >= min(BRANCH_TOKENS, room)
+
+    def live(self, branch: _Branch, committed: Committed, spec: _Speculation) -> bool:
+        """Its position is not committed yet and the speculation still holds its prefix."""
+        n = len(committed)
+        main = [*committed.tokens, *spec.tokens[: branch.pos - n]]
+        return branch.pos >= n and main == branch.prefix
+
+    def corrected(self, committed: Committed, token: int, came: float) -> _Branch | None:
+        """The branch sent before ``came`` whose second choice is the correction ``token`` that
+        ends ``committed`` now, after the same prefix; None: no such branch."""
+        pos = len(committed) - 1
+        for b in self.sent:
+            at = b.pos == pos and b.tokens[0] == token and b.sent_at < came
+            if at and b.prefix == committed.tokens[:pos]:
+                return b
+        return None
+
+    def adopt(self, committed: Committed) -> _Branch | None:
+        """A branch (sent or being drafted) the committed prefix took and that holds tokens
+        after it: the speculation restarts from them."""
+        n = len(committed)
+        for b in [*self.sent, *([self.building] if self.building else [])]:
+            seq = b.sequence
+            if b.pos < n < len(seq) and seq[:n] == committed.tokens:
+                if b is self.building:
+                    self.building = None
+                return b
+        return None
+
+    def prune(self, committed_len: int) -> None:
+        """Forgets the branches whose position the committed prefix passed."""
+        self.sent = [b for b in self.sent if b.pos >= committed_len]
+        if self.building is not None and self.building.pos < committed_len:
+            self.building = None
+        self.tried = {t for t in self.tried if t[0] >= committed_len}
 
 
 class _Reach:
@@ -161,6 +276,11 @@ class _Reach:
     def out_of_reach(self) -> bool:
         return self.lag >= self.reachable()
 
+    def first(self, want: int) -> int:
+        """The part of ``want`` the next step verifies: the lag and one reach of two."""
+        lag = round(self.lag)
+        return min(want, lag + max(1, (want - lag + 1) // 2))
+
     def want(self, hint: int) -> int:
         if not self.acceptance.tried.any():  # nothing verified yet: as far as allowed
             return min(self.limit, round(self.lag) + self.sent + min(self.max_draft_tokens, hint))
@@ -196,6 +316,9 @@ async def cloud_led_rounds(
     receiver = asyncio.create_task(asyncio.sleep(0) if over else _receive(stream, verdicts))
     spec = _Speculation(handover.block if handover else None, len(committed))
     drafts = _Drafts(stream, committed, started, handover)
+    greedy = rule.sampling.greedy and not drafts.rejection
+    branches = _Branches(greedy and stream.cfg.branch_ahead, started.limits.max_draft_tokens)
+    draw = proposer.next_token_with_alternative if branches.enabled else _no_alternative(proposer)
     paused, hint = 0, max_draft_tokens
     after_rejection = False  # the previous Verdict corrected a draft
     sent_at: float | None = None  # when the first Draft after the last correction left
@@ -211,22 +334,36 @@ async def cloud_led_rounds(
             # No Draft can be verified while the cloud commits past the speculation's reach
             # before one arrives: the edge drafts nothing then, as if paused.
             idle = paused != 0 or (reach is not None and reach.out_of_reach())
-            if worker is None and not idle and len(spec.tokens) < want:
-                prefix = [*committed.tokens, *spec.tokens]
-                worker = Worker(proposer.next_token, prefix, rule)
+            # Branches once the speculation reaches what the next step verifies; the
+            # speculation on to ``want`` after them.
+            first = want if reach is None else reach.first(want)
+            if worker is None and not idle:
+                if len(spec.tokens) >= first and branches.enabled and len(spec.tokens) > 1:
+                    skip = int(reach.lag) if reach else 0
+                    if branches.building is None:
+                        branches.building = branches.pick(committed, spec, skip)
+                    if branches.building is not None:
+                        prefix = branches.building.sequence
+                        worker = Worker(draw, prefix, rule)
+                if worker is None and len(spec.tokens) < want:
+                    prefix = [*committed.tokens, *spec.tokens]
+                    worker = Worker(draw, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if worker is not None and worker.future.done():
-                token, q = await worker.result()
+                token, q, alt = await worker.result()
                 worker = None
                 if prefix == [*committed.tokens, *spec.tokens]:  # no verdict moved it meanwhile
-                    spec.add(token, q)
+                    spec.add(token, q, alt)
                     leaves = time.perf_counter()
                     if not await drafts.send(spec):
                         paused = -1  # no more drafting on this stream
                     elif sent_at is None:
                         sent_at = leaves
+                elif (b := branches.building) is not None and prefix == b.sequence:
+                    grown = await _grow(b, token, alt, branches, drafts, committed, spec)
+                    paused = paused if grown else -1
             if not getter.done():
                 continue
             ready, getter = [getter.result()], None
@@ -245,14 +382,21 @@ async def cloud_led_rounds(
                 # Had a Draft after the correction left before this Verdict came? (Drafts sent
                 # before the correction was read were drafted after the rejected token.)
                 sent = sent_at is not None and sent_at < came
-                stats.observe_cloud_led_pass(step, after_rejection, sent)
+                branch = step.drafted > 0 and v.round in branches.rounds
+                stats.observe_cloud_led_pass(step, after_rejection, sent, branch)
                 after_rejection = v.has_token and step.accepted < step.drafted
                 if after_rejection:
                     sent_at = None
+                    branched = branches.corrected(committed, v.token, came) is not None
+                    stats.observe_correction(branched)
                 if reach is not None:
                     reach.observe(offset, step.drafted, step.accepted, now, len(chunk))
                 t_prev = now
                 spec.consume(chunk)
+                if not spec.tokens and (b := branches.adopt(committed)) is not None:
+                    n = len(committed) - len(b.prefix)  # the branch's tokens now committed
+                    spec.restart(b.tokens[n:], b.alts[n:])
+                branches.prune(len(committed))
                 remaining -= len(chunk)
                 if v.HasField("max_draft_tokens_hint") and plan.follow_hint:
                     hint = v.max_draft_tokens_hint
@@ -269,7 +413,51 @@ async def cloud_led_rounds(
         if worker is not None:
             await worker.join()
         receiver.cancel()
-        stats.observe_drafts_sent(drafts.delivered)
+        stats.observe_drafts_sent(drafts.delivered, branches.count)
+
+
+def _no_alternative(proposer: Proposer):
+    """``proposer.next_token`` in the shape of next_token_with_alternative (no branching)."""
+
+    def draw(committed, rule, stop=None):
+        return (*proposer.next_token(committed, rule, stop), None)
+
+    return draw
+
+
+async def _grow(
+    branch: _Branch,
+    token: int,
+    alt: Alternative | None,
+    branches: _Branches,
+    drafts: _Drafts,
+    committed: Committed,
+    spec: _Speculation,
+) -> bool:
+    """Adds the draft's next token to the branch being drafted; once it is full, sends it, then
+    the speculation again in full (the freshest Draft, and the one its next token continues).
+    A branch whose position the committed prefix passed, or whose prefix the speculation no
+    longer holds, is dropped. False: the stream takes no more Drafts."""
+    branches.building = None
+    if not branches.live(branch, committed, spec):
+        return True
+    branch.tokens.append(token)
+    branch.alts.append(alt)
+    if not branches.full(branch, len(committed)):
+        branches.building = branch
+        return True
+    n = len(committed)
+    room = branches.limit - (branch.pos - n)
+    branch.tokens, branch.alts = branch.tokens[:room], branch.alts[:room]
+    if not await drafts.send_branch(branch):
+        return False
+    branch.sent_at = time.perf_counter()
+    branches.sent.append(branch)
+    branches.count += 1
+    branches.rounds = {r for r in branches.rounds if r > branch.round - SENT_KEPT}
+    branches.rounds.add(branch.round)
+    spec.sent_to = None  # a full Draft
+    return await drafts.send(spec)
 
 
 async def _receive(stream: Stream, verdicts: asyncio.Queue) -> None:
@@ -324,6 +512,23 @@ class _Drafts:
         except grpc.aio.AioRpcError:
             # The server may end the call (its final verdict) while a Draft is on its way:
             # Drafts are optional, the verdicts tell what happened.
+            return False
+        self.delivered += 1
+        return True
+
+    async def send_branch(self, branch: _Branch) -> bool:
+        """Sends a branch as a full Draft from committed_len (greedy: no q); False: the stream
+        takes no more Drafts."""
+        self.round += 1
+        committed = len(self.committed)
+        tokens = branch.sequence[committed:]
+        self.sent[self.round] = (committed, tokens)
+        self.sent.pop(self.round - SENT_KEPT, None)
+        branch.round = self.round
+        draft = pb.Draft(round=self.round, base_len=committed, tokens=tokens)
+        try:
+            await self.stream.send(pb.ClientMessage(draft=draft))
+        except grpc.aio.AioRpcError:
             return False
         self.delivered += 1
         return True

@@ -118,6 +118,29 @@ def draw_next(
     return noise.draw_sparse(pos, q), q
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """The draft's second choice at a position, and how sure it was of its first there: its
+    probabilities (softmax of its logits at temperature 1) of its top token and of ``token``.
+    A greedy cloud-led speculation branches at positions where ``p_top`` is low
+    (edge.cloud_led, docs/design.md#cloud-led)."""
+
+    token: int
+    p_top: float
+    p_alt: float
+
+
+def alternative(logits: np.ndarray) -> Alternative:
+    """The second most likely token after the top one (np.argmax's, ties to the lower id) of
+    ``logits`` [V], and the two probabilities."""
+    top = int(np.argmax(logits))
+    rest = logits.copy()
+    rest[top] = -np.inf
+    alt = int(np.argmax(rest))
+    z = np.exp(logits - logits[top], dtype=np.float64).sum()
+    return Alternative(alt, float(1.0 / z), float(np.exp(logits[alt] - logits[top]) / z))
+
+
 def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
     """Rolls the cache back to its common prefix with ``committed``, feeds the rest; returns the
     logits [V] after the last committed token."""

@@ -67,6 +67,13 @@ class GenerationConfig:
     # edge.proposer.Proposer.guess_next); used when the verdict matches
     # (docs/design.md#performance). Output is the same either way.
     draft_ahead: bool = True
+    # Greedy cloud-led speculations also draft, where the draft is unsure of a token, the
+    # continuation after its second choice and send it as a Draft, so that the pass after a
+    # correction to that token verifies it instead of nothing (edge/cloud_led.py, branch-ahead).
+    # Output is the same either way; never at T > 0. Off by default: at RTT 100 ms it made
+    # fewer passes after a correction draftless but no measurable tokens/s, for extra draft
+    # steps on the device (docs/design.md#cloud-led).
+    branch_ahead: bool = False
 
     @property
     def reproducible(self) -> bool:
@@ -119,6 +126,14 @@ class GenerationStats:
     # correction (it had nothing consistent to send); the others had one on its way that the
     # step did not wait for (cloud.gateway.cloud_led: waiting did not pay, or its bound ran out)
     draftless_none_sent: int = 0
+    # cloud-led corrections (Verdicts that rejected a draft token), those whose token a branch
+    # had been sent for (a Draft holding it at that position after the same prefix, edge.
+    # cloud_led branch-ahead) before the Verdict came, the passes right after a correction that
+    # verified a branch, and the branch Drafts sent
+    corrections: int = 0
+    corrections_branched: int = 0
+    branch_passes: int = 0
+    branches_sent: int = 0
     # per session mode the rounds ran in ("lock-step", "cloud-led"): [target passes, tokens
     # committed, ms Verdict to Verdict] (edge.mode_switch.Yield: what each mode yielded)
     mode_passes: dict[str, list[float]] = field(default_factory=dict)
@@ -205,18 +220,28 @@ class GenerationStats:
             self.lead_round = round_no
         self.cloud_took_lead |= by_cloud
 
-    def observe_cloud_led_pass(self, step: StepCounts, after_rejection: bool, sent: bool) -> None:
+    def observe_cloud_led_pass(
+        self, step: StepCounts, after_rejection: bool, sent: bool, branch: bool = False
+    ) -> None:
         """A cloud-led pass (``step``, its counts), ``after_rejection``: the pass before
         corrected a draft; ``sent``: a Draft after that correction had left the edge before
-        this pass's Verdict came."""
+        this pass's Verdict came; ``branch``: the pass verified a branch Draft."""
         if after_rejection:
             self.passes_after_rejection += 1
             self.draftless_after_rejection += step.drafted == 0
             self.draftless_none_sent += step.drafted == 0 and not sent
+            self.branch_passes += branch
 
-    def observe_drafts_sent(self, n: int) -> None:
-        """Cloud-led rounds' Drafts that reached the stream."""
+    def observe_correction(self, branched: bool) -> None:
+        """A cloud-led Verdict that corrected a draft token; ``branched``: a branch holding the
+        correction there had left the edge before the Verdict came."""
+        self.corrections += 1
+        self.corrections_branched += branched
+
+    def observe_drafts_sent(self, n: int, branches: int = 0) -> None:
+        """Cloud-led rounds' Drafts that reached the stream, ``branches`` of them branches."""
         self.drafts_sent += n
+        self.branches_sent += branches
 
     def observe_step(self, step: StepCounts) -> StepCounts:
         """Counts one target step, in any session mode, as the gateway's metrics count it."""

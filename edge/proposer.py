@@ -22,9 +22,11 @@ from typing import Protocol
 import numpy as np
 
 from specsplit.edge.drafting import (
+    Alternative,
     Block,
     Drafter,
     DraftRule,
+    alternative,
     draft_block,
     draw_next,
     greedy_after,
@@ -64,6 +66,14 @@ class Proposer(Protocol):
         how a cloud-led speculation grows."""
         ...
 
+    def next_token_with_alternative(
+        self, committed: Sequence[int], rule: DraftRule, stop: threading.Event | None = None
+    ) -> tuple[int, SparseDist | None, Alternative | None]:
+        """``next_token`` and, when greedy, the draft's second choice there (what a cloud-led
+        speculation branches on); None where the proposer has none (this default)."""
+        token, q = self.next_token(committed, rule, stop)
+        return token, q, None
+
 
 class DraftModelProposer(Proposer):
     """Drafts with the draft model itself: edge.drafting over a ``Drafter``."""
@@ -95,6 +105,16 @@ class DraftModelProposer(Proposer):
         logits = next_logits(self._model(stop), committed)
         pos = len(committed)
         return draw_next(logits, pos, rule.sampling, rule.noise, rule.q_entries, rule.q_levels)
+
+    def next_token_with_alternative(self, committed, rule, stop=None):
+        logits = next_logits(self._model(stop), committed)  # [V]
+        if not rule.sampling.greedy:  # a sampled token has no second choice to branch on
+            pos = len(committed)
+            token, q = draw_next(
+                logits, pos, rule.sampling, rule.noise, rule.q_entries, rule.q_levels
+            )
+            return token, q, None
+        return int(np.argmax(logits)), None, alternative(logits)
 
 
 def as_proposer(source: Drafter | Proposer) -> Proposer:
@@ -212,6 +232,12 @@ class PromptLookupProposer(Proposer):
         if found and not self.checked:  # checked: a one-token check is the model's own step
             return found[0], None
         return self.model.next_token(committed, rule, stop)
+
+    def next_token_with_alternative(self, committed, rule, stop=None):
+        found = lookup(committed, 1, self.min_ngram) if rule.sampling.greedy else []
+        if found and not self.checked:  # a lookup knows no second choice
+            return found[0], None, None
+        return self.model.next_token_with_alternative(committed, rule, stop)
 
 
 MAX_NGRAM = 4  # the longest suffix looked up (longer matches predict better) ...

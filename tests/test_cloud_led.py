@@ -72,7 +72,10 @@ def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft
     drafter = OnnxDrafter(tiny.target_onnx if draft == "same" else tiny.draft_onnx)
     port = port_of(cloud)
     for prompt in PROMPTS:
-        gen = asyncio.run(_generate(port, rtt_ms, drafter, prompt, max_draft_tokens=4))
+        # branch_ahead: branch Drafts (edge.cloud_led) verified by the real gateway too
+        gen = asyncio.run(
+            _generate(port, rtt_ms, drafter, prompt, max_draft_tokens=4, branch_ahead=True)
+        )
         s = gen.stats
         assert gen.token_ids == target_greedy[tuple(prompt)], (prompt, draft, rtt_ms)
         assert s.finish == "LENGTH"

@@ -67,7 +67,10 @@ from specsplit.shared.protocol import pb
 
 log = logging.getLogger(__name__)
 
-POOL = 8  # Drafts held at once: the edge sends its freshest speculation, older ones go stale
+# Drafts held at once: the edge sends its freshest speculation, older ones go stale; a greedy
+# edge also sends branches, each followed by its speculation again (edge/cloud_led.py
+# BRANCHES), which a branch must outlive for the few steps until the cloud reaches its position
+POOL = 16
 # A session's acceptance before its cloud-led steps measured any, and the weight (in drafts) it
 # keeps against them: even odds, so that a few measured steps decide.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0

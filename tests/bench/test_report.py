@@ -247,8 +247,11 @@ def test_draftless_passes_after_a_correction_per_mode_and_condition():
             passes_after_rejection=6,
             draftless_after_rejection=2,
             draftless_none_sent=1,
+            corrections=7,
+            corrections_branched=3,
+            branch_passes=2,
         ),
         rec(mode="cloud-led", k=8, link="", passes_after_rejection=4, draftless_after_rejection=1),
     ]
     lines = after_rejection_table([*led, rec(mode="lock-step", link="")])
-    assert lines[-1] == "| 0 ms | 0 | cloud-led | 10 | 3 | 1 | 0.30 |"
+    assert lines[-1] == "| 0 ms | 0 | cloud-led | 10 | 3 | 1 | 0.30 | 3/7 | 2 |"

@@ -55,6 +55,9 @@ class FakeProposer:
     def next_token(self, committed, rule, stop=None):
         return self.draft(len(committed)), None
 
+    def next_token_with_alternative(self, committed, rule, stop=None):
+        return self.draft(len(committed)), None, None
+
 
 class FakeCloudStream:
     """What the loops see of a stream (``stats``, ``send``, ``recv``; edge.rounds also opens

@@ -1,7 +1,7 @@
 """The gateway's pool of cloud-led Drafts: the freshest consistent one lends its tokens beyond
 committed_len; stale ones are dropped and counted."""
 
-from specsplit.cloud.gateway.cloud_led import DraftPool, PendingDraft
+from specsplit.cloud.gateway.cloud_led import POOL, DraftPool, PendingDraft
 
 COMMITTED = [1, 2, 3, 4, 5]
 
@@ -42,8 +42,8 @@ def test_no_draft_means_a_plain_target_step():
 
 
 def test_the_pool_holds_a_bounded_number_of_drafts():
-    pool = _pool(*[(5, [i]) for i in range(20)])
-    assert len(pool.drafts) == 8 and pool.dropped == 12
+    pool = _pool(*[(5, [i]) for i in range(POOL + 12)])
+    assert len(pool.drafts) == POOL and pool.dropped == 12
 
 
 def test_a_continuation_extends_the_previous_draft():
