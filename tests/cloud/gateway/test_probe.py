@@ -15,8 +15,12 @@ from specsplit.cloud.gateway.handover import Handover
 from specsplit.cloud.gateway.lockstep import lockstep_rounds
 from specsplit.cloud.gateway.messages import Echoes
 from specsplit.cloud.gateway.session import Code, ProtocolError
-from specsplit.cloud.gateway.triton_client import StepReply
+from specsplit.cloud.gateway.triton_client import StepReply, TargetFull
+from specsplit.edge.generation import GenerationConfig, GenerationStats
+from specsplit.edge.retry import retry_after_s
+from specsplit.edge.stream import Stream
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
+from specsplit.shared.session_mode import SessionMode
 from tests.cloud.gateway.fakes import FakeClient, FakeRound
 from tests.fakes import FakeTriton, gateway, stream_end
 
@@ -271,3 +275,44 @@ def test_echoes_refuse_an_echo_without_a_probe_and_a_second_one():
         assert "second" in second.value.message
 
     asyncio.run(main())
+
+
+class FullTarget(Steps):
+    """Refuses every session's KV at once after the first (the warm-up, which measures a step):
+    the Echo is still on its way then."""
+
+    opened = 0
+
+    async def start(self, prompt, sampling, verification, seed, speculative=True) -> None:
+        FullTarget.opened += 1
+        if FullTarget.opened > 1:
+            raise TargetFull("KV_CAPACITY_EXCEEDED: 0 of 0 bytes free")
+        await super().start(prompt, sampling, verification, seed, speculative)
+
+
+def test_a_refusal_after_the_probe_reaches_the_edge_with_its_retry_hint(monkeypatch):
+    """The edge writes its Echo as it reads the Probe; a refusal at once (the target's KV full)
+    still reaches it as RESOURCE_EXHAUSTED with its hint: the gateway receives the Echo before
+    it ends the stream (Echoes.settle), so no write of the edge's is in flight."""
+
+    echoed: list[bool] = []
+    timed = Echoes._echo
+    monkeypatch.setattr(Echoes, "_echo", lambda self: echoed.append(True) or timed(self))
+
+    async def main():
+        async with gateway(FullTarget) as address, grpc.aio.insecure_channel(address) as ch:
+            stub = pb_grpc.SpeculativeDecodingStub(ch)
+            await _warm(stub)
+            stream = Stream(stub, None, GenerationConfig(), GenerationStats("split"), 8, 1)
+            await stream.start(PROMPT, SessionMode.LOCK_STEP, follows_lead=True)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await asyncio.wait_for(stream.started(), GUARD_S)
+            finally:
+                await stream.close()
+            return refused.value
+
+    error = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert retry_after_s(error) is not None
+    assert echoed == [True]  # the Probe went out, and its Echo came before the refusal
