@@ -19,6 +19,7 @@ Draft sent one of their Drafts.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -42,9 +43,12 @@ async def lockstep_rounds(
     plan: SessionPlan,
     started: pb.Started,
     first: tuple[Block, float] | None,
+    reading: asyncio.Future | None = None,
 ) -> AsyncIterator[list[int] | Handover]:
     """Each round's committed chunk from Started, or, last, the Handover to cloud-led rounds;
-    ``first``: the first block and its drafting time (ms), drafted early."""
+    ``first``: the first block and its drafting time (ms), drafted early; ``reading``: the read
+    of the first Verdict, already under way (edge.rounds reads a lead of the cloud's while the
+    first block drafts): the first round's Verdict, and its first Draft does not lead."""
     stats = stream.stats
     max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(max_draft_tokens) if plan.adaptive else None
@@ -69,7 +73,10 @@ async def lockstep_rounds(
         t1 = time.perf_counter()
         # Hand over with this block when cloud-led would be faster (and blocks remain after it).
         lead = (
-            switch is not None and remaining > k + 1 and (plan.lead_first or switch.should_lead(k))
+            switch is not None
+            and reading is None  # the Verdict read already is this Draft's (or the cloud's lead)
+            and remaining > k + 1
+            and (plan.lead_first or switch.should_lead(k))
         )
         await stream.send(_draft(started, round_no, base_len, block, lead))
         if lead:
@@ -83,7 +90,8 @@ async def lockstep_rounds(
         if plan.draft_ahead and k > 0 and k_next > 0:
             seq = [*committed.tokens, *block.tokens]
             ahead = Worker(draft_ahead, proposer, seq, k_next, rule)
-        v, t2, first = await _verdict(stream, k, ahead)
+        v, t2, first = await _verdict(stream, k, ahead, reading)
+        reading = None
         ahead_hit = first is not None
         if v.led:  # the cloud leads: v is a cloud-led step's, the block one of its Drafts
             stats.observe_lead(round_no, by_cloud=True)
@@ -120,11 +128,12 @@ def _draft(started: pb.Started, round_no: int, base_len: int, block: Block, lead
     return pb.ClientMessage(draft=draft)
 
 
-async def _verdict(stream: Stream, k: int, ahead: Worker | None):
-    """The verdict on a block of k, when it came, and the block ``ahead`` drafted (with the
-    time waited for it, ms) when the verdict matched its guess: all k accepted, bonus = guess."""
+async def _verdict(stream: Stream, k: int, ahead: Worker | None, reading=None):
+    """The verdict on a block of k (``reading``: its read, under way), when it came, and the
+    block ``ahead`` drafted (with the time waited for it, ms) when the verdict matched its
+    guess: all k accepted, bonus = guess."""
     try:
-        v = await stream.recv("verdict")
+        v = await (reading if reading is not None else stream.recv("verdict"))
         t2 = time.perf_counter()
         if ahead is None or v.led:  # a cloud-led step's Verdict: not this block's
             return v, t2, None

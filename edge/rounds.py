@@ -1,7 +1,10 @@
 """One stream's life, Start to Finished: the one place a session mode meets its loop.
 
 Start asks for the plan's mode; the first lock-step block is drafted while the cloud prefills;
-Started settles the plan (edge.session_plan) and brings the seed the draft rule needs; then the
+Started settles the plan (edge.session_plan) and brings the seed the draft rule needs. Where the
+cloud may lead (Started.lead_after_ms), its first Verdict is read while that block drafts: a
+cloud that led before the block was done (it measured a long round trip, docs/design.md#probe)
+is followed at once, cloud-led from its Verdict, instead of after the drafting. Then the
 loop of the mode the server runs takes the stream: ``lockstep_rounds`` (edge.lockstep),
 ``cloud_led_rounds`` (edge.cloud_led) or ``cloud_only_rounds`` (edge.cloud_only). The mode
 switch is here too, one way: lock-step rounds that hand over end with a ``Handover``
@@ -15,15 +18,17 @@ generation's statistics through GenerationStats' methods. The ``Stream`` only tr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.cloud_led import cloud_led_rounds
 from specsplit.edge.cloud_only import cloud_only_rounds
-from specsplit.edge.drafting import DraftRule
+from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.handover import Handover
 from specsplit.edge.lockstep import lockstep_rounds
 from specsplit.edge.proposer import Proposer, block_off_loop, timed_block
@@ -55,14 +60,19 @@ async def run_rounds(
         rule = _rule(stream, proposer, stream.seed)
         k_first = min(plan.max_draft_tokens, stream.max_new_tokens - 1)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
+    reading = led = None  # the first Verdict's read while the block drafts; a lead it read
     try:
         started = await stream.started()
         plan = plan.settled(started, stream.stats.start_rtt_ms)
         stream.stats.led_at_start = plan.auto and plan.mode is SessionMode.CLOUD_LED
         if plan.mode.drafts and rule is None:
             rule = _rule(stream, proposer, started.seed)
-        first = await early.result() if early is not None else None
-        if plan.mode is SessionMode.LOCK_STEP and first is None:
+        first = None
+        if early is not None and started.lead_after_ms > 0 and not plan.lead_first:
+            first, reading, led = await _block_or_lead(stream, early)
+        elif early is not None:
+            first = await early.result()
+        if plan.mode is SessionMode.LOCK_STEP and first is None and led is None:
             k_first = min(plan.max_draft_tokens, started.max_new_tokens - 1)
             first = await block_off_loop(proposer, committed.tokens, k_first, rule)
     finally:
@@ -71,13 +81,23 @@ async def run_rounds(
     if plan.mode is not SessionMode.CLOUD_ONLY:
         _check_pair(proposer, started.model)
     mode, handover = plan.mode, None
+    if led is not None:  # the cloud leads before any Draft: cloud-led from its first Verdict
+        stream.stats.observe_lead(0, by_cloud=True)
+        k = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
+        empty = Block([], None)
+        mode, handover = (
+            SessionMode.CLOUD_LED,
+            Handover(0, empty, started.max_new_tokens, DraftLength(k), led),
+        )
     while True:
         if mode is SessionMode.CLOUD_ONLY:
             rounds = cloud_only_rounds(stream, committed)
         elif mode is SessionMode.CLOUD_LED:
             rounds = cloud_led_rounds(stream, committed, proposer, rule, plan, started, handover)
         else:
-            rounds = lockstep_rounds(stream, committed, proposer, rule, plan, started, first)
+            rounds = lockstep_rounds(
+                stream, committed, proposer, rule, plan, started, first, reading=reading
+            )
         handover = None
         async with contextlib.aclosing(rounds):  # closed with the stream, even mid-loop
             async for out in rounds:
@@ -95,6 +115,26 @@ async def run_rounds(
         log.info("the stream ended after its final Verdict, before Finished: %s", e.details())
         if not stream.stats.finish:
             stream.stats.observe_finished(committed.final)
+
+
+async def _block_or_lead(stream: Stream, early: Worker):
+    """(first block, the first Verdict's read still under way, None) once the block ``early``
+    drafts is done; or (None, None, Verdict) when the cloud's first Verdict comes before it:
+    the cloud led (Verdict.led) without a Draft of ours, and the block is no longer needed."""
+    reading = asyncio.ensure_future(stream.recv("verdict"))
+    # A loop that fails before it reads the Verdict leaves this read to the call's end
+    reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+    try:
+        await asyncio.wait({early.future, reading}, return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done():
+            return await early.result(), reading, None
+    except BaseException:
+        reading.cancel()
+        raise
+    v = reading.result()
+    if not v.led:
+        raise SpecsplitError(None, "the cloud sent a Verdict before any Draft without Verdict.led")
+    return None, None, v
 
 
 def _rule(stream: Stream, proposer: Proposer, seed: int | None) -> DraftRule:

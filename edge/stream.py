@@ -68,6 +68,7 @@ class Stream:
         self.call = None
         self.reached = False  # its Started arrived
         self.write_broke = False  # a write failed: grpc.aio then fails every read as INTERNAL
+        self.probed = False  # Start asked for a Probe: one may come before Started
         self._t_start = 0.0
 
     async def send(self, msg: pb.ClientMessage) -> None:
@@ -87,7 +88,21 @@ class Stream:
             # would have ended the call before the write). Retryable, like any lost link.
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream broke: {e.details()}") from e
 
-    async def recv(self, kind: str):
+    async def recv(self, kind: str, probe: bool = False):
+        """The next message, which must be a ``kind``; with ``probe``, one Probe may come first,
+        answered with an Echo at once."""
+        while True:
+            msg = await self._read(kind)
+            got = msg.WhichOneof("msg")
+            if got == "probe" and probe:
+                probe = False  # one Probe per stream
+                await self.send(pb.ClientMessage(echo=pb.Echo()))
+                continue
+            if got != kind:
+                raise SpecsplitError(None, f"expected {kind}, got {got}")
+            return getattr(msg, kind)
+
+    async def _read(self, kind: str) -> pb.ServerMessage:
         try:
             msg = await self.call.read()
         except grpc.aio.AioRpcError as e:
@@ -99,9 +114,7 @@ class Stream:
         if msg is grpc.aio.EOF:
             raise SpecsplitError(None, f"stream closed while waiting for {kind}")
         self.stats.bytes_down += msg.ByteSize()
-        if msg.WhichOneof("msg") != kind:
-            raise SpecsplitError(None, f"expected {kind}, got {msg.WhichOneof('msg')}")
-        return getattr(msg, kind)
+        return msg
 
     async def start(
         self,
@@ -113,7 +126,9 @@ class Stream:
         """Opens the call and sends Start with ``prompt`` (after an outage, the whole committed
         sequence), asking for session mode ``mode``; a drafting client
         names its draft's tokenizer (the cloud refuses a pair that does not share one), and one
-        whose lock-step rounds can go on cloud-led says it follows the cloud's lead."""
+        whose lock-step rounds can go on cloud-led says it follows the cloud's lead, and asks
+        for the Probe that lets the cloud time the round trip during prefill (Start.probe):
+        ``started`` echoes it."""
         cfg = self.cfg
         self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
@@ -124,13 +139,17 @@ class Stream:
             verification=VERIFICATION_TO_PB.get(cfg.verification, 0),
             draft_tokenizer=draft_tokenizer or "",
             follows_lead=follows_lead,
+            probe=follows_lead,
             session_mode=SESSION_MODE_TO_PB[mode],
         )
+        self.probed = follows_lead
         self._t_start = time.perf_counter()
         await self.send(pb.ClientMessage(start=start))
 
     async def started(self) -> pb.Started:
-        started = await self.recv("started")
+        """Started; a Probe before it (Start.probe) is answered with an Echo the moment it
+        is read: the cloud times the round trip with it while the target prefills."""
+        started = await self.recv("started", probe=self.probed)
         # The round trip (and, on a cold channel, its setup): the server reports its part.
         rtt_ms = max(0.0, (time.perf_counter() - self._t_start) * 1e3 - started.setup_ms)
         self.stats.observe_started(rtt_ms, started.seed)

@@ -14,6 +14,14 @@ the proto's Started.lead_after_ms), the target would idle for longer than lock-s
 back, so it steps on its own from then on and says so in its first Verdict (Verdict.led). The
 read of the first Draft still under way goes with the Handover and becomes the cloud-led
 reader's first read: the client's Draft, whenever it comes, is then an ordinary cloud-led Draft.
+
+Where the client answers a Probe (Start.probe, docs/design.md#probe), the server need not wait
+the bound out to learn that the first Draft is late: that Draft leaves the edge after Started
+arrives there, so it comes a round trip after Started at the earliest. The round trip the
+Probe measured during prefill (``Echoes.rtt_s``: exact once the Echo came, else a lower bound
+that grows) reaching the bound is the same evidence, earlier: the server leads at once, or the
+moment the unanswered Probe's age reaches the bound. Only when the server leads changes, never
+what a step computes: lossless as before.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import time
 from collections.abc import AsyncIterator
 
 from specsplit.cloud.gateway.handover import Handover, PendingDraft
-from specsplit.cloud.gateway.messages import next_draft
+from specsplit.cloud.gateway.messages import Echoes, next_draft
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.session import Finish
 from specsplit.shared.protocol import pb
@@ -51,18 +59,21 @@ async def lockstep_rounds(
 ) -> AsyncIterator[pb.Verdict | Handover]:
     """Verdicts of a lock-step session, one per Draft, until generation ends (or the client
     half-closes, or stays silent ``idle_s`` after a Verdict); or, last, a Handover: the edge's
-    Draft.lead, or ``lead_after_s`` > 0 passed with no first Draft (the server leads)."""
+    Draft.lead, or ``lead_after_s`` > 0 passed with no first Draft (the server leads), or
+    sooner where ``messages`` are Echoes whose Probe measured a round trip that long."""
     session = step.session
     if lead_after_s > 0:
+        probed = isinstance(messages, Echoes) and messages.sent_at is not None
+        probe = messages if probed else None
         reading = asyncio.ensure_future(next_draft(messages, None))
         try:
-            done, _ = await asyncio.wait({reading}, timeout=lead_after_s)
+            came = await _in_time(reading, lead_after_s, probe)
         except BaseException:
             reading.cancel()
             with contextlib.suppress(BaseException):
                 await reading
             raise
-        if not done:  # the target would idle: it leads, the read goes on in cloud-led's reader
+        if not came:  # the target would idle: it leads, the read goes on in cloud-led's reader
             yield Handover(reading=reading)
             return
         draft = reading.result()
@@ -83,3 +94,27 @@ async def lockstep_rounds(
         if session.finish is not Finish.NONE:
             return
         draft = await next_draft(messages, idle_s)
+
+
+async def _in_time(reading: asyncio.Future, bound_s: float, probe: Echoes | None) -> bool:
+    """Whether the first Draft (``reading``) came before the server leads: within ``bound_s``
+    of Started (now), and only while the round trip ``probe`` measured may be shorter than
+    ``bound_s`` (a first Draft comes a round trip after Started at the earliest)."""
+    deadline = time.perf_counter() + bound_s
+    echoed = None if probe is None else asyncio.ensure_future(probe.echoed.wait())
+    try:
+        while True:
+            now = time.perf_counter()
+            rtt_s = probe.rtt_s(now) if probe is not None else None
+            if now >= deadline or (rtt_s is not None and rtt_s >= bound_s):
+                return False
+            wake, waits = deadline, {reading}
+            if probe is not None and probe.echo_at is None:  # the lower bound grows until then
+                wake = min(wake, probe.sent_at + bound_s)
+                waits.add(echoed)
+            done, _ = await asyncio.wait(waits, timeout=wake - now)
+            if reading in done:
+                return True
+    finally:
+        if echoed is not None:
+            echoed.cancel()

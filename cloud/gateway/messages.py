@@ -2,13 +2,18 @@
 
 A client's mistake always ends as a status code with a message (docs/design.md#errors): an
 undecodable payload is INVALID_ARGUMENT (grpc would report a deserializer's exception as UNKNOWN), a
-silent stream DEADLINE_EXCEEDED, a message out of place FAILED_PRECONDITION.
+silent stream DEADLINE_EXCEEDED, a message out of place FAILED_PRECONDITION, an Echo that answers
+no Probe INVALID_ARGUMENT.
+
+``Echoes`` stands between the stream and every reader of it: it takes the client's Echo
+(Start.probe, docs/design.md#probe) out of the messages, wherever it arrives, and times it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from google.protobuf.message import DecodeError
@@ -30,6 +35,96 @@ def decode_client_message(data: bytes) -> pb.ClientMessage | Undecodable:
         return pb.ClientMessage.FromString(data)
     except DecodeError as e:
         return Undecodable(str(e))
+
+
+_ECHOED = object()  # what the read during prefill returns when its message was the Echo
+
+
+def _is_echo(msg: object) -> bool:
+    return isinstance(msg, pb.ClientMessage) and msg.WhichOneof("msg") == "echo"
+
+
+class Echoes:
+    """A stream's client messages with its Echo taken out, and the round trip that Echo measured.
+
+    After ``probe_sent`` (the Probe is out) one read runs on its own, while the target
+    prefills, so that the Echo is timed when it arrives; whatever that read got that is not the
+    Echo goes to the next reader first. An Echo is skipped wherever it comes (a late one, in
+    the read a handover passes on, cloud.gateway.handover); one without a Probe, or a second,
+    is INVALID_ARGUMENT. Times are ``time.perf_counter()`` seconds.
+    """
+
+    def __init__(self, messages: AsyncIterator):
+        self.messages = messages
+        self.sent_at: float | None = None  # the Probe went out
+        self.echo_at: float | None = None  # its Echo was read
+        self.echoed = asyncio.Event()
+        self._pending: asyncio.Future | None = None  # the read started at the Probe
+
+    def __aiter__(self) -> Echoes:
+        return self
+
+    def probe_sent(self) -> None:
+        assert self.sent_at is None, "one Probe per stream"
+        self.sent_at = time.perf_counter()
+        self._pending = asyncio.ensure_future(self._read_echo())
+
+    def rtt_s(self, now: float) -> float | None:
+        """The round trip the Probe measured: exact once its Echo came, else a lower bound
+        (the Probe's age at ``now``); None when no Probe was sent."""
+        if self.sent_at is None:
+            return None
+        return (self.echo_at if self.echo_at is not None else now) - self.sent_at
+
+    async def __anext__(self):
+        while True:
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                msg = await pending
+                if msg is _ECHOED:
+                    continue
+            else:
+                msg = await anext(self.messages, None)
+            if msg is None:
+                raise StopAsyncIteration
+            if not _is_echo(msg):
+                return msg
+            self._echo()
+
+    async def _read_echo(self):
+        msg = await anext(self.messages, None)
+        if not _is_echo(msg):
+            return msg  # not the Echo (yet): handed to the next reader
+        self._echo()
+        return _ECHOED
+
+    def _echo(self) -> None:
+        if self.sent_at is None:
+            raise ProtocolError(
+                Code.INVALID_ARGUMENT,
+                "an Echo answers a Probe, and this stream was sent none (Start.probe asks for "
+                "one, in a lock-step session that follows the lead)",
+            )
+        if self.echo_at is not None:
+            raise ProtocolError(Code.INVALID_ARGUMENT, "a second Echo: a Probe is answered once")
+        self.echo_at = time.perf_counter()
+        self.echoed.set()
+
+    async def settle(self, wait_s: float = 1.0) -> None:
+        """Before the stream ends with a status: waits (at most ``wait_s``) for the read the
+        Probe started, so that the client's Echo, written as it read the Probe, is received
+        (before_refusing says why a write in flight costs the client our status)."""
+        if self._pending is not None and not self._pending.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait({self._pending}, timeout=wait_s)
+
+    def close(self) -> None:
+        """The stream is done with: the read the Probe started, if no one took it, stops."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
+            if pending.done() and not pending.cancelled():
+                pending.exception()  # retrieved: a read that failed is no news any more
 
 
 async def next_message(

@@ -41,6 +41,7 @@ from specsplit.cloud.gateway.identity import ModelIdentity
 from specsplit.cloud.gateway.lease import Lease
 from specsplit.cloud.gateway.lockstep import lead_after_ms, lockstep_rounds
 from specsplit.cloud.gateway.messages import (
+    Echoes,
     before_refusing,
     decode_client_message,
     next_message,
@@ -127,7 +128,8 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         await self.replicas.close()
 
     async def Generate(self, requests, context) -> AsyncIterator[pb.ServerMessage]:
-        """admit -> open -> Started -> the mode's rounds -> Finished."""
+        """admit -> open -> (Probe, for a client that asked) -> Started -> the mode's rounds
+        -> Finished."""
         client = self._client(context)
         try:
             # A client told to wait (a retry hint) has this stream held until then, unread.
@@ -142,7 +144,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         handler = asyncio.current_task()
         ticket.attach(StreamHandle(ticket, handler, context, self._background))
         lease = Lease(self.replicas, self._sequences(client))
-        messages, session = _Marked(requests.__aiter__(), ticket), None
+        messages, session = Echoes(_Marked(requests.__aiter__(), ticket)), None
         tail = ReadingTail()  # a cloud-led loop leaves its reader here, still reading
         try:
             first = await next_message(messages, self.policy.start_timeout_s, "Start")
@@ -151,9 +153,15 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     ticket.started = True
                     t_start = time.perf_counter()
                     session, mode = open_session(first, self.model)
+                if self._probes(first.start, mode):  # the round trip, timed during prefill
+                    with self._sending(ticket):
+                        yield pb.ServerMessage(probe=pb.Probe())
+                    messages.probe_sent()
+                with ticket.working():
+                    t_queue = time.perf_counter()
                     # The prompt's slot only: what it may grow to is reserved as it grows.
                     await self._reserve(ticket, lease, session.committed_len)
-                    self.metrics.observe_queue(time.perf_counter() - t_start)
+                    self.metrics.observe_queue(time.perf_counter() - t_queue)
                     await lease.start(
                         session.prompt,
                         session.sampling,
@@ -175,12 +183,15 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                     yield pb.ServerMessage(finished=_finished(session))
         except TargetFull as e:  # the target's own KV capacity: as retryable as the budget's
             wait_ms = self.admission.retry_after_ms()
+            await messages.settle()
             await self._refuse(
                 context, client, Refused(_target_full(e, wait_ms), wait_ms, TARGET_KV)
             )
         except Refused as e:
+            await messages.settle()
             await self._refuse(context, client, e)
         except (ProtocolError, SessionLost, TritonUnavailable, TritonRequestError) as e:
+            await messages.settle()
             await context.abort(*_status(e))
         except (asyncio.CancelledError, Reclaimed):
             if not ticket.reclaimed:
@@ -191,6 +202,7 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
             if context.code() is None:  # else _end sent it, from outside a stuck send
                 await context.abort(grpc.StatusCode.UNAVAILABLE, RECLAIMED)
         finally:
+            messages.close()
             ticket.leave()  # drops its StreamHandle: nothing ends this stream from outside now
             self._release(lease, ticket)
         # A cloud-led loop's reader reads on until the half-close; else read here until then
@@ -292,6 +304,12 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         task.add_done_callback(lambda _: ticket.free())
+
+    def _probes(self, start: pb.Start, mode: SessionMode) -> bool:
+        """A Probe for this Start: its client asked (Start.probe) in a session the server may
+        lead (Started.lead_after_ms > 0), where the round trip can make it lead sooner."""
+        asked = start.probe and start.follows_lead
+        return lead_after_ms(asked, mode, self.steps.ms) > 0
 
     def _started(
         self, session: GatewaySession, mode: SessionMode, t_start: float, follows_lead: bool

@@ -63,7 +63,8 @@ class FakeCloudStream:
     """What the loops see of a stream (``stats``, ``send``, ``recv``; edge.rounds also opens
     and finishes it), with a greedy cloud at
     its far end: lock-step (a Verdict per Draft) until a Draft leads, or, with ``cloud_leads``,
-    until the first Draft, which the cloud then takes the lead on itself (Verdict.led); then
+    until the first Draft, which the cloud then takes the lead on itself (Verdict.led), or, with
+    ``leads_at_once``, until Started, after which it leads before any Draft; then
     cloud-led: a step per ``recv``, verifying the latest Draft that fits the committed prefix.
     Cloud-only answers every ``recv`` with a draftless step. ``fail_at``: the Verdict (by its
     index) whose committed_len is one too many, as a cloud out of step would send."""
@@ -75,6 +76,7 @@ class FakeCloudStream:
         max_draft_tokens: int = 4,
         cloud_leads: bool = False,
         fail_at: int | None = None,
+        leads_at_once: bool = False,
     ) -> None:
         self.stats = GenerationStats(route="split")
         # what edge.rounds reads of a stream
@@ -82,6 +84,7 @@ class FakeCloudStream:
         self.seed, self.max_new_tokens = None, new_tokens
         self.finished = False
         self.mode, self.cloud_leads, self.fail_at = mode, cloud_leads, fail_at
+        self.leads_at_once = leads_at_once
         self.limit = max_draft_tokens
         self.committed_len = len(PROMPT)
         self.end = len(PROMPT) + new_tokens
@@ -96,6 +99,9 @@ class FakeCloudStream:
 
     async def started(self) -> pb.Started:
         self.stats.observe_started(0.0, 0)
+        if self.leads_at_once:  # the round trip its Probe measured: no Draft could come in time
+            self.mode = SessionMode.CLOUD_LED
+            self.queue.put_nowait(self._step(led=True))
         return self.started_message()
 
     async def finish(self, committed_len: int) -> None:
@@ -103,7 +109,10 @@ class FakeCloudStream:
         self.finished = True
 
     def started_message(self) -> pb.Started:
-        started = pb.Started(session_mode=SESSION_MODE_TO_PB[self.mode], accepts_lead=True)
+        mode = SessionMode.LOCK_STEP if self.leads_at_once else self.mode
+        started = pb.Started(session_mode=SESSION_MODE_TO_PB[mode], accepts_lead=True)
+        if self.cloud_leads or self.leads_at_once:
+            started.lead_after_ms = 7.5  # the bound is the server's: it leads
         started.max_new_tokens = self.end - len(PROMPT)
         started.limits.max_draft_tokens = self.limit
         started.model.vocab_size = VOCAB

@@ -1,6 +1,6 @@
 """A lock-step stream whose first Draft is late goes on cloud-led when the cloud takes the lead
-(Verdict.led): SplitClient against an in-process gateway with a fake Triton that verifies by a
-fixed rule, so the output is known."""
+(Verdict.led), even before that Draft is drafted: SplitClient against an in-process gateway
+with a fake Triton that verifies by a fixed rule, so the output is known."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bench.proxy import DelayProxy
+from specsplit.cloud.gateway.messages import Echoes
 from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.edge.client import GenerationConfig, SplitClient
 from tests.fakes import VOCAB, FakeTriton, SlowDrafter, gateway
@@ -79,8 +81,54 @@ def test_a_late_first_draft_goes_on_cloud_led_from_the_clouds_lead():
     gen = _run(delay_s=0.05)  # the first block: five 50 ms passes, the bound 7.5 ms
     s = gen.stats
     assert gen.token_ids == expected(N_NEW)
-    assert s.cloud_took_lead and s.lead_round == 1 and not s.led_at_start, s.summary()
+    # the cloud led while the first block drafted: followed at once, that block never sent
+    # (edge.rounds reads the first Verdict meanwhile), so no lock-step round led
+    assert s.cloud_took_lead and s.lead_round == 0 and not s.led_at_start, s.summary()
     assert s.finish == "LENGTH"
     # one verdict per target step, none lost or doubled across the switch
     assert s.target_forward_passes == s.rounds
     assert s.new_tokens == s.accepted + s.rounds
+
+
+class SlowPrefill(RuleTarget):
+    """Prefills in 0.2 s: long enough for the Probe's Echo to come back over the link."""
+
+    async def start(self, prompt, sampling, verification, seed, speculative=True) -> None:
+        await super().start(prompt, sampling, verification, seed, speculative)
+        await asyncio.sleep(0.2)
+
+
+def test_over_a_long_link_the_edge_echoes_the_probe_and_goes_on_from_the_clouds_lead(
+    monkeypatch,
+):
+    """A cold auto client over a 100 ms link (the bound: 7.5 ms): it asks for a Probe and
+    echoes it while the target prefills, the cloud leads on that round trip, the edge goes on
+    cloud-led from its first Verdict, and the output is the target's."""
+    echoes: list[float] = []
+    timed = Echoes._echo
+
+    def spy(self) -> None:
+        timed(self)
+        echoes.append(self.echo_at - self.sent_at)
+
+    monkeypatch.setattr(Echoes, "_echo", spy)
+    drafter = RuleDrafter(0.0, wrong=5)
+
+    async def run():
+        async with gateway(SlowPrefill) as address:
+            port = int(address.rsplit(":", 1)[1])
+            proxy = DelayProxy(port, 100)
+            async with proxy, SplitClient(f"127.0.0.1:{proxy.port}", drafter) as client:
+                warm = GenerationConfig(max_new_tokens=2, session_mode="lock-step")
+                await client.generate(PROMPT, warm).collect()  # no Probe: a forced mode
+                assert echoes == []
+                gen = client.generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW))
+                await gen.collect()
+                return gen
+
+    gen = asyncio.run(run())
+    s = gen.stats
+    assert gen.token_ids == expected(N_NEW)
+    assert len(echoes) == 1  # the auto stream's, timed at the gateway
+    assert s.cloud_took_lead and s.lead_round == 1, s.summary()
+    assert s.target_forward_passes == s.rounds

@@ -18,8 +18,10 @@ from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.handover import Handover
 from specsplit.edge.mode_switch import LeadChoice
 from specsplit.edge.session_plan import SessionPlan
+from specsplit.edge.worker import Stopped
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
 from specsplit.shared.session_mode import SessionMode
+from tests.edge.fake_cloud import PROMPT, FakeCloudStream, FakeProposer, expected, plan
 
 
 class FakeStream:
@@ -69,7 +71,7 @@ def test_the_dispatcher_switches_once_on_a_handover(
     received: list = []
     handover = Handover(2, Block([8, 9], None), 40, DraftLength(4))
 
-    async def lockstep(stream, committed, proposer, rule, plan, started, first):
+    async def lockstep(stream, committed, proposer, rule, plan, started, first, reading=None):
         ran.append("lockstep")
         assert first[0].tokens == [5]  # the block drafted while the cloud prefilled
         committed.tokens += [5, 6]
@@ -167,3 +169,36 @@ def test_the_real_loops_through_the_dispatcher_hand_over_without_losing_a_token(
     assert sum(chunks, []) == expected(n)  # neither lost nor handed on twice
     assert stream.finished and stream.stats.lead_round == 3
     assert set(stream.stats.mode_passes) == {"lock-step", "cloud-led"}
+
+
+class FirstBlockBlocked(FakeProposer):
+    """Its first block (drafted while the cloud prefills) never ends until its worker is told
+    to stop (edge.worker.Worker.join); every later call drafts at once."""
+
+    def __init__(self) -> None:
+        self.blocked = False
+
+    def propose(self, committed, k, rule, stop=None) -> Block:
+        if not self.blocked and stop is not None:
+            self.blocked = True
+            stop.wait(60)
+            raise Stopped
+        return super().propose(committed, k, rule, stop)
+
+
+def test_a_cloud_that_leads_before_the_first_block_is_done_is_followed_at_once():
+    """The cloud leads as it sends Started (its Probe measured a long round trip): its first
+    Verdict is read while the first block still drafts, which stops, and the stream goes on
+    cloud-led from that Verdict, no Draft of ours verified by it; output exact."""
+    n = 12
+    stream = FakeCloudStream(n, leads_at_once=True)
+    plan_ = plan(auto=True, may_lead=True)
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, FirstBlockBlocked(), plan_, PROMPT)]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [t for c in chunks for t in c] == expected(n)
+    assert stream.verdicts[0].led and stream.verdicts[0].round == 0
+    assert stream.stats.cloud_took_lead and stream.stats.lead_round == 0
+    assert all(not d.lead for d in stream.drafts) and stream.finished
