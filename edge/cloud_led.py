@@ -496,39 +496,39 @@ class _Drafts:
         """Sends the speculation's new tokens as a continuation of its last Draft while some of
         that one is still uncommitted, else all of it from committed_len. False: the stream
         takes no more Drafts."""
-        self.round += 1
         committed = len(self.committed)
-        self.sent[self.round] = (committed, list(spec.tokens))
-        self.sent.pop(self.round - SENT_KEPT, None)
+        round_no = self._next_round(committed, spec.tokens)
         continues = spec.sent_to is not None and spec.sent_to > committed
         base = spec.sent_to if continues else committed
         tokens = spec.tokens[base - committed :]
-        draft = pb.Draft(round=self.round, base_len=base, tokens=tokens, continues=continues)
+        draft = pb.Draft(round=round_no, base_len=base, tokens=tokens, continues=continues)
         if self.rejection:
             draft.q.extend(sparse_to_pb(q, self.q_counts) for q in spec.q[base - committed :])
         spec.sent_to = committed + len(spec.tokens)
+        return await self._deliver(draft)
+
+    async def send_branch(self, branch: _Branch) -> bool:
+        """Sends a branch as a full Draft from committed_len (greedy: no q); False: the stream
+        takes no more Drafts."""
+        committed = len(self.committed)
+        tokens = branch.sequence[committed:]
+        branch.round = self._next_round(committed, tokens)
+        return await self._deliver(pb.Draft(round=branch.round, base_len=committed, tokens=tokens))
+
+    def _next_round(self, committed_len: int, tokens: list[int]) -> int:
+        """A new Draft's round, remembered with what it holds from ``committed_len`` (the last
+        SENT_KEPT) to read its Verdict against."""
+        self.round += 1
+        self.sent[self.round] = (committed_len, list(tokens))
+        self.sent.pop(self.round - SENT_KEPT, None)
+        return self.round
+
+    async def _deliver(self, draft: pb.Draft) -> bool:
         try:
             await self.stream.send(pb.ClientMessage(draft=draft))
         except grpc.aio.AioRpcError:
             # The server may end the call (its final verdict) while a Draft is on its way:
             # Drafts are optional, the verdicts tell what happened.
-            return False
-        self.delivered += 1
-        return True
-
-    async def send_branch(self, branch: _Branch) -> bool:
-        """Sends a branch as a full Draft from committed_len (greedy: no q); False: the stream
-        takes no more Drafts."""
-        self.round += 1
-        committed = len(self.committed)
-        tokens = branch.sequence[committed:]
-        self.sent[self.round] = (committed, tokens)
-        self.sent.pop(self.round - SENT_KEPT, None)
-        branch.round = self.round
-        draft = pb.Draft(round=self.round, base_len=committed, tokens=tokens)
-        try:
-            await self.stream.send(pb.ClientMessage(draft=draft))
-        except grpc.aio.AioRpcError:
             return False
         self.delivered += 1
         return True
