@@ -295,8 +295,8 @@ def _info(args) -> int:
     drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
     ms = ms_per_token(drafter, args.steps)
     threads = (
-        f"{args.threads} (intra-op)"
-        if args.threads
+        f"{drafter.threads} (intra-op)"
+        if drafter.threads
         else f"ONNX Runtime's default, one per physical core ({os.cpu_count()} logical CPUs)"
     )
     fallback = ""
@@ -459,7 +459,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument(
         "--threads",
         type=int,
-        help="ONNX Runtime intra-op threads per drafter (default: ONNX Runtime's)",
+        help="ONNX Runtime intra-op threads per drafter (default: one per CPU this process may "
+        "use where its affinity or cgroup quota allows fewer than the machine's, else ONNX "
+        "Runtime's: one per physical core)",
     )
     _add_provider_arg(s)
     s.add_argument(
@@ -552,7 +554,11 @@ def _parser() -> argparse.ArgumentParser:
         f"with a retry hint, per outage (default {DEFAULT_WINDOW_S:.0f}; 0 = never retry)",
     )
     g.add_argument(
-        "--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)"
+        "--threads",
+        type=int,
+        help="ONNX Runtime intra-op threads (default: one per CPU this process may use where "
+        "its affinity or cgroup quota allows fewer than the machine's, else ONNX Runtime's: one "
+        "per physical core)",
     )
     _add_provider_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
