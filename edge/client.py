@@ -229,9 +229,14 @@ def _remembered(
     """The link a client keeps after a generation: what its Started measured, and, after an
     auto generation that measured enough rounds to judge (or started cloud-led), whether it ran
     cloud-led (edge.mode_switch.Link.led) and what each mode it ran yielded (the others' as
-    ``before`` remembered them). A forced mode's generation judges nothing."""
-    if link is None or not plan.auto:
+    ``before`` remembered them). A forced mode's generation, or the target alone's, judges
+    nothing: its new round trip and step are kept beside what ``before`` had learnt."""
+    if link is None:
         return link
+    if not plan.auto:
+        if before is None:
+            return link
+        return link._replace(led=before.led, lock_step=before.lock_step, cloud_led=before.cloud_led)
     link = link.measured(stats, before)
     led = stats.led_at_start or stats.lead_round > 0
     if led or stats.rounds >= MIN_ROUNDS + 1:

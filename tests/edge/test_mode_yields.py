@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from specsplit.edge.client import GenerationConfig, SplitClient
+from specsplit.edge.client import GenerationConfig, SplitClient, _remembered
 from specsplit.edge.generation import GenerationStats
 from specsplit.edge.mode_switch import (
     CLOUD_LED,
@@ -105,3 +105,21 @@ def test_a_cloud_led_run_that_verified_no_draft_is_not_started_again(monkeypatch
     assert link.cloud_led is not None and link.cloud_led.tokens_per_pass == 1.0
     assert not second.led_at_start and second.lead_round == 0
     assert remembered[0] is None and remembered[-1] == link.cloud_led
+
+
+def test_a_forced_or_cloud_only_generation_keeps_what_auto_learnt():
+    """The CLI saves the client's link after every generation: a `--route cloud-only` or a forced
+    mode in between must not erase the yields and choice the auto generations measured."""
+    learnt = Link(0.4, 48.0, led=True, cloud_led=FAST_LED, lock_step=LOCK)
+    fresh = Link(0.6, 47.0)  # what the new Started measured
+    stats = GenerationStats(route="cloud-only")
+    for plan in (
+        SessionPlan.of(GenerationConfig(), cloud_only=True),
+        SessionPlan.of(GenerationConfig(session_mode="lock-step")),
+    ):
+        kept = _remembered(fresh, plan, stats, learnt)
+        assert kept == Link(0.6, 47.0, led=True, cloud_led=FAST_LED, lock_step=LOCK)
+    assert (
+        _remembered(fresh, SessionPlan.of(GenerationConfig(), cloud_only=True), stats, None)
+        == fresh
+    )
