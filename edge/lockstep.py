@@ -109,11 +109,14 @@ async def lockstep_rounds(
         if plan.obeys_hint and v.HasField("max_draft_tokens_hint"):
             hint = v.max_draft_tokens_hint
             stats.observe_hint(hint)
+        critical_ms = draft_ms if fresh else None  # a block drafted ahead hid its cost
+        timings = v.timings
         if chooser is not None:
-            critical_ms = draft_ms if fresh else None  # a block drafted ahead hid its cost
-            chooser.observe(k, v.accepted, v.timings.verify_ms, round_ms, critical_ms)
+            chooser.observe(k, v.accepted, timings.verify_ms, round_ms, critical_ms)
         if switch is not None:
-            switch.observe(k, v.accepted, cycle_ms, v.timings.verify_ms, v.timings.server_ms)
+            switch.observe(
+                k, v.accepted, cycle_ms, timings.verify_ms, timings.server_ms, draft_ms, critical_ms
+            )
         t_prev = t2
         yield chunk
         if v.finished:

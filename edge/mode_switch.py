@@ -38,8 +38,12 @@ faster: docs/benchmarks-rtt0-500-1000-t0-cloud-only-auto-auto-warm.md). So a cli
 remembers what each mode really yielded in its last auto generation that ran it (``Yield``:
 tokens per target pass and the time per pass, from GenerationStats.mode_passes), and starts the
 next one cloud-led, or lets the cloud take the lead, or hands over, only where cloud-led's
-measured rate beat lock-step's (``Link.led_pays``; with no lock-step measured, where it made
-LED_MIN_TOKENS_PER_PASS tokens a pass).
+measured rate beat lock-step's (``Link.led_pays``; with no lock-step measured, where it beat the
+cloud-only pace, one token per Started.step_ms, by MARGIN). Tokens per pass alone are no
+measure across modes on a CPU target, where a lock-step pass over k + 1 rows costs up to three
+one-row steps: in the full bench at 0-50 ms, prose, cloud-led's ~1.3 tokens a pass ran
+0.95-1.03x cloud-only and lock-step adaptive's ~3.5 ran 0.80-0.88x
+(docs/benchmarks.md at ff4ab90).
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ MIN_ROUNDS = 2  # ... measured over more than one round (the first leans on the 
 # 1.75-1.88 (1.12-1.29x, the 12th 0.99x) and was mixed at 0.70-0.76 (0.84-1.26x).
 LEAD_AT_START = 1.5
 # Cloud-led passes that made fewer tokens than this on average (most verified no draft, or one
-# rejected at once), with no lock-step rounds measured beside them: the next generation starts
-# lock-step and measures. A pass of lock-step makes E(k) >= 1 + alpha_1 tokens.
+# rejected at once), with no lock-step rounds measured beside them and no step of the server's
+# to compare their rate with: the next generation starts lock-step and measures.
 LED_MIN_TOKENS_PER_PASS = 1.5
 LOCK_STEP, CLOUD_LED = "lock-step", "cloud-led"  # GenerationStats.mode_passes' keys
 
@@ -105,13 +109,16 @@ class Link(NamedTuple):
 
     def led_pays(self) -> bool:
         """Whether cloud-led, as measured on this link, was worth running: faster than
-        lock-step where both were measured, else LED_MIN_TOKENS_PER_PASS tokens a pass; True
+        lock-step where both were measured, else faster than the cloud-only pace (one token per
+        step_ms) by MARGIN, else (no step known) LED_MIN_TOKENS_PER_PASS tokens a pass; True
         while cloud-led is unmeasured."""
         led, lock = self.cloud_led, self.lock_step
         if led is None:
             return True
         if lock is not None:
             return led.tokens_per_ms >= lock.tokens_per_ms
+        if self.step_ms > 0:
+            return led.tokens_per_ms >= MARGIN / self.step_ms
         return led.tokens_per_pass >= LED_MIN_TOKENS_PER_PASS
 
     def measured(self, stats, before: Link | None) -> Link:
@@ -132,18 +139,46 @@ class LeadChoice:
         self.greedy = greedy
         self.led = led  # what cloud-led yielded on this link last (Link.cloud_led), if known
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass
+        # ... minus the drafting on the critical path: the link and the edge's own overheads
+        self.link_ms: float | None = None
         self.overhead_ms: float = 0.0  # per step: at the gateway, minus the pass
         self.rounds = 0
 
     def observe(
-        self, k: int, accepted: int, cycle_ms: float, verify_ms: float, server_ms: float
+        self,
+        k: int,
+        accepted: int,
+        cycle_ms: float,
+        verify_ms: float,
+        server_ms: float,
+        draft_ms: float | None = None,
+        critical_ms: float | None = None,
     ) -> None:
         """One lock-step round of k drafts: ``cycle_ms`` from the previous verdict (or Started)
-        to this one, ``verify_ms`` its target pass and ``server_ms`` its time at the gateway."""
-        self.lengths.observe(k, accepted, verify_ms)
+        to this one, ``verify_ms`` its target pass and ``server_ms`` its time at the gateway;
+        ``draft_ms`` what drafting the block took, ``critical_ms`` the part of it inside the
+        cycle (None: drafted ahead, hidden)."""
+        self.lengths.observe(k, accepted, verify_ms, draft_ms=draft_ms)
         self.rounds += 1
-        self.idle_ms = ema(self.idle_ms, max(0.0, cycle_ms - verify_ms))
+        idle = max(0.0, cycle_ms - verify_ms)
+        self.idle_ms = ema(self.idle_ms, idle)
+        self.link_ms = ema(self.link_ms, max(0.0, idle - (critical_ms or 0.0)))
         self.overhead_ms = ema(self.overhead_ms, max(0.0, server_ms - verify_ms))
+
+    def _led_block(self, k: int, one_row: float) -> tuple[int, float]:
+        """(drafts a cloud-led step verifies, ms from a correction to a Draft after it).
+
+        A cloud-led edge sends each token as it drafts it, so a step finds about what it drafted
+        during the step before (a step's worth of draft steps, at most k), and after a
+        correction the edge's next Draft needs the link and one draft step, not a lock-step
+        block's k: the lock-step idle counted the block's drafting where it was on the critical
+        path, which at RTT 0 on a CPU made cloud-led look three to five steps behind after every
+        rejection instead of one. Before the edge's draft step was measured: k and the idle."""
+        per_token = self.lengths.draft_ms
+        if per_token is None or self.link_ms is None:
+            return k, self.idle_ms or 0.0
+        supplied = max(1, round(one_row / max(per_token, 1e-3)))
+        return min(k, supplied), self.link_ms + per_token
 
     def rates(self, k: int) -> tuple[float, float] | None:
         """(lock-step, cloud-led) expected tokens per ms at block size k; None before
@@ -152,17 +187,17 @@ class LeadChoice:
         if self.rounds < MIN_ROUNDS or self.idle_ms is None:  # idle_ms: set by every round
             return None
         alphas = lengths.alphas()
-        expected = float(lengths.expected_tokens()[k])
-        all_kept = float(np.prod(alphas[:k]))
-        verify = lengths.verify_cost(k + 1)
-        lock_step = expected / max(verify + self.idle_ms, 1e-3)
-        step = verify + self.overhead_ms
+        expected = lengths.expected_tokens()
+        lock_step = float(expected[k]) / max(lengths.verify_cost(k + 1) + self.idle_ms, 1e-3)
         one_row = lengths.verify_cost(1) + self.overhead_ms
-        started = max(1, math.ceil(self.idle_ms / max(one_row, 1e-3)))
+        led_k, delay = self._led_block(k, one_row)
+        all_kept = float(np.prod(alphas[:led_k]))
+        step = lengths.verify_cost(led_k + 1) + self.overhead_ms
+        started = max(1, math.ceil(delay / max(one_row, 1e-3)))
         first = float(alphas[0])
         guessed = first if self.greedy else first / (2 - first)  # the edge's guess holds
         idle_steps = (1 - all_kept) * started / max(guessed, 1e-3)
-        cloud_led = (expected + idle_steps) / max(step + idle_steps * one_row, 1e-3)
+        cloud_led = (float(expected[led_k]) + idle_steps) / max(step + idle_steps * one_row, 1e-3)
         return lock_step, cloud_led
 
     @staticmethod

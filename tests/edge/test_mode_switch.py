@@ -115,7 +115,9 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
 ):
     """The client keeps the round trip and step of its last Started: where they call for a
     lead, its next auto generation asks for cloud-led in Start (a fake gateway: instant steps,
-    every token 7; the rule is forced, the measured pair is what it is given)."""
+    every token 7; the rule is forced, the measured pair is what it is given). What the first
+    generation's cloud-led passes yielded is made not to pay, so that only the round trip
+    decides (the forced generation between them keeps that memory: test_mode_yields.py)."""
     asked: list[tuple[float | None, float]] = []
 
     def rule(rtt_ms, step_ms):
@@ -123,6 +125,7 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
         return long_link
 
     monkeypatch.setattr(LeadChoice, "lead_at_start", staticmethod(rule))
+    monkeypatch.setattr(Link, "led_pays", lambda link: False)
 
     async def three():
         async with gateway() as address, SplitClient(address, SlowDrafter(0.001)) as client:
@@ -202,3 +205,36 @@ def test_a_client_whose_auto_generation_ran_cloud_led_starts_the_next_one_so(mon
     assert not first.led_at_start and (first.lead_round > 0) is switches and led is switches
     assert second.led_at_start is switches
     assert second.lead_round == 0 if switches else second.rounds > MIN_ROUNDS
+
+
+def cpu_rounds(draft_ms_per_token: float | None, accepted=(6, 3)) -> LeadChoice:
+    """Lock-step rounds at RTT 0 on a CPU target whose passes cost by rows (45 ms for one row,
+    11.25 more per row), blocks of 8 and 4 in turn drafted ahead of their verdicts (10 ms idle),
+    the draft's step as given (None: not reported)."""
+    choice = LeadChoice(K, greedy=True)
+    for i in range(6):
+        k = 8 if i % 2 == 0 else 4
+        verify = 33.75 + 11.25 * (k + 1)
+        drafted = None if draft_ms_per_token is None else draft_ms_per_token * k
+        choice.observe(k, accepted[i % 2], verify + 10, verify, verify + 3, drafted, None)
+    return choice
+
+
+def test_cloud_led_is_modelled_with_the_drafts_the_edge_can_supply():
+    """A cloud-led step verifies what the edge drafted during the step before (a 25 ms draft
+    step beside a 45 ms one-row pass: about two), not a lock-step block of eight, so its steps
+    are cheap rows; and after a correction its next Draft is a draft step away, one pass. At
+    RTT 0 on a CPU the switch then leads, as the full bench measured (cloud-led 1.43x
+    cloud-only on code against lock-step adaptive's 1.15x); without the draft's step the
+    model falls back to k and the lock-step idle, and stays."""
+    assert not cpu_rounds(None).should_lead(K)
+    assert cpu_rounds(25.0).should_lead(K)
+
+
+def test_a_draft_slower_than_the_target_supplies_one_token_a_step():
+    fast, slow = cpu_rounds(25.0).rates(K)[1], cpu_rounds(200.0).rates(K)[1]
+    assert slow < fast
+    choice = cpu_rounds(200.0)
+    one_row = choice.lengths.verify_cost(1) + choice.overhead_ms
+    assert choice._led_block(K, one_row)[0] == 1
+    assert cpu_rounds(25.0)._led_block(K, one_row)[0] == 2

@@ -23,19 +23,25 @@ from tests.edge.test_mode_switch import K, measured
 from tests.fakes import SlowDrafter, gateway
 
 LAN = Link(rtt_ms=0.5, step_ms=50.0, led=True)  # no lead at start by the round trip
-FAST_LED, POOR_LED = Yield(2.2, 55.0), Yield(1.3, 55.0)  # code and prose at RTT 0 on the CPU
+FAST_LED, PROSE_LED = Yield(2.2, 55.0), Yield(1.3, 55.0)  # code and prose at RTT 0 on the CPU
+POOR_LED = Yield(1.02, 53.0)  # next to no draft verified: slower than cloud-only's 50 ms steps
 LOCK = Yield(2.6, 110.0)  # a lock-step round: a pass over k + 1 rows and the idle beside it
 
 
 def test_a_remembered_cloud_led_run_starts_cloud_led_only_where_it_paid():
     assert LAN.starts_led()  # cloud-led unmeasured: as before, the last run's mode
     assert LAN._replace(cloud_led=FAST_LED).starts_led()
-    # few drafts verified, and no lock-step to compare with: lock-step measures next
-    assert POOR_LED.tokens_per_pass < LED_MIN_TOKENS_PER_PASS
+    # no lock-step to compare with: cloud-led's rate against the cloud-only pace (1 / step_ms).
+    # Prose's 1.3 tokens a pass of 55 ms is 1.18x the 50 ms step: it paid ...
+    assert LAN._replace(cloud_led=PROSE_LED).starts_led()
+    # ... next to no draft verified did not: lock-step measures next
     assert not LAN._replace(cloud_led=POOR_LED).starts_led()
+    # no step known (an older server): tokens per pass decide, as before
+    assert not LAN._replace(step_ms=0.0, cloud_led=PROSE_LED).starts_led()
+    assert PROSE_LED.tokens_per_pass < LED_MIN_TOKENS_PER_PASS
     # both measured: the faster rate (2.2 / 55 > 2.6 / 110 > 1.3 / 55 tokens per ms)
     assert LAN._replace(cloud_led=FAST_LED, lock_step=LOCK).starts_led()
-    assert not LAN._replace(cloud_led=POOR_LED, lock_step=Yield(2.6, 90.0)).starts_led()
+    assert not LAN._replace(cloud_led=PROSE_LED, lock_step=Yield(2.6, 90.0)).starts_led()
 
 
 def test_a_long_round_trip_starts_cloud_led_whatever_it_yielded():
