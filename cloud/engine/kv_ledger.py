@@ -68,7 +68,7 @@ class KVLedger:
         self,
         slots: KVSlots,
         sessions: Mapping[int, Held],
-        kv_capacity: int | None = None,  # bytes; None (or 0): its device's
+        kv_capacity: int | None = None,  # bytes; None: its device's (device_kv_capacity)
         kv_per_client_share: float = KV_PER_CLIENT_SHARE,  # of kv_capacity, per client; 0: off
     ):
         check_per_client_share(kv_per_client_share)
