@@ -13,19 +13,13 @@ its whole prefill, nor takes every shared pass's rows while another client's pro
 Open is answered (``step``'s ``finished``) once its whole prompt is in its slot. ``run`` serves a
 batch to completion (tests, tools).
 
-Memory: the target holds at most ``kv_capacity`` bytes of KV slots (by default what its device
-has free once the weights are loaded: ``device_kv_capacity``), and reports it with
-every Open (``model.py``: KV_CAPACITY, KV_HELD), so gateways admit against what it can keep. An
-Open or a step whose slot would grow past it is refused with KVCapacityExceeded (retryable: the
-gateway answers RESOURCE_EXHAUSTED with a retry hint), the pass served without it; so is the
-session behind an out-of-memory error in a pass, which is then run again without it. One client
-(``Open.client``, the gateway's client hashed; 0: none) may hold at most ``kv_per_client_share``
-of the capacity over all its sessions, whichever gateways opened them (``client_kv_quota``): an
-Open or a step past it is refused the same way, other clients' unaffected; sessions without a
-client count against the whole capacity alone. A session's bytes are its client's until it ends
-(END, an eviction, a lapsed lease: ``client_kv_bytes`` counts the sessions held). A session
-whose Open set a lease (``Open.lease_s``: its gateway's longest silence) is evicted once idle for
-longer, so a gateway that died does not leave its sessions' KV held for the full idle limit.
+Memory: the KV ledger (``cloud.engine.kv_ledger``, ``TargetModel.kv_ledger``) says how many bytes
+of KV slots the target may hold and each client's share of them; an Open or a step past either
+is refused with its KVCapacityExceeded, the pass served without it. The session behind an
+out-of-memory error in a pass is refused the same way and the pass run again without it
+(``_without_culprit``). A session whose Open set a lease (``Open.lease_s``: its gateway's longest
+silence) is evicted once idle for longer, so a gateway that died does not leave its sessions' KV
+held for the full idle limit.
 
 Cache invariant: once its Open is answered, after every call, a session's KV slot holds exactly
 ``committed[:-1]``, i.e. ``cache_len == committed_len - 1``. A verify request therefore feeds the
@@ -45,14 +39,11 @@ import numpy as np
 import torch
 
 from specsplit.cloud.capacity import Acceptance, CostModel, max_draft_tokens_hint
+from specsplit.cloud.engine.kv_ledger import KVCapacityExceeded, KVLedger, check_per_client_share
 from specsplit.cloud.engine.kv_slots import Slot
 from specsplit.cloud.engine.precision import check_weights, pick_device
 from specsplit.cloud.engine.ragged import RaggedForward, Segment
-from specsplit.cloud.kv_growth import (
-    KV_PER_CLIENT_SHARE,
-    MAX_DRAFT_TOKENS,
-    default_budget_bytes,
-)
+from specsplit.cloud.kv_growth import KV_PER_CLIENT_SHARE, MAX_DRAFT_TOKENS
 from specsplit.shared.acceptance import (
     RoundResult,
     VerificationRule,
@@ -70,11 +61,6 @@ log = logging.getLogger(__name__)
 
 class SessionNotFound(KeyError):
     """The session is unknown here (never started, ended, evicted, or the server restarted)."""
-
-
-class KVCapacityExceeded(MemoryError):
-    """The target cannot hold this session's KV now (its capacity, or its device's memory in a
-    pass): the session is left as it was (an Open: not opened), the others are served."""
 
 
 @dataclass(frozen=True)
@@ -192,16 +178,6 @@ def _out_of_memory(e: Exception) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
 
 
-def device_kv_capacity(device: torch.device) -> int:
-    """Bytes of KV slots a target may hold by default: nine tenths of what its GPU has free
-    once the weights are loaded, or ``cloud.kv_growth.default_budget_bytes`` on CPU (half the
-    host's available memory)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return default_budget_bytes()
-
-
 def _load(model_dir, device, weights: str, dtype: str, packed_linear: bool):
     """(forward, format, float dtype) for the model at ``model_dir``
     (``cloud.engine.precision``)."""
@@ -257,11 +233,7 @@ class TargetModel:
         kv_capacity: int | None = None,  # bytes of KV slots it may hold; None: its device's
         kv_per_client_share: float = KV_PER_CLIENT_SHARE,  # of kv_capacity, per client; 0: off
     ):
-        if not 0 <= kv_per_client_share <= 1:  # also refuses NaN
-            raise ValueError(
-                f"the per-client KV share must be in [0, 1] (0: off), not {kv_per_client_share}"
-            )
-        self.kv_per_client_share = kv_per_client_share
+        check_per_client_share(kv_per_client_share)  # before the load: bad config fails fast
         if threads:
             torch.set_num_threads(threads)
         self.device = pick_device(device)
@@ -287,12 +259,9 @@ class TargetModel:
             log.info(
                 "forward cost by rows (ms): %s", {r: round(m, 1) for r, m in self.cost.ms.items()}
             )
-        if kv_capacity is not None and kv_capacity < 1:
-            raise ValueError("the KV capacity must be > 0 bytes")
-        self.kv_capacity = kv_capacity or device_kv_capacity(self.device)
-        quota = self.client_kv_quota
-        per_client = f"{quota / 2**20:.0f} MiB" if quota is not None else "no quota"
-        log.info("KV capacity %.0f MiB, per client %s", self.kv_capacity / 2**20, per_client)
+        self.kv_ledger = KVLedger(
+            self.forward.slots, self.sessions, kv_capacity, kv_per_client_share
+        )
         log.info(
             "target %s on %s (%s weights, %s), vocab %d",
             model_dir,
@@ -429,28 +398,16 @@ class TargetModel:
         return info
 
     def _within_capacity(self, verifies, outcomes: list) -> list:
-        """``verifies`` less those whose slot would grow past the KV capacity or its client's
-        share of it (refused, the session as it was); prompts reserved their whole slot at
-        their Open."""
-        kept, held, slots = [], self.kv_bytes, self.forward.slots
-        quota, by_client = self.client_kv_quota, None
-        for i, req, session in verifies:
-            grow = slots.growth_bytes(session.slot, session.cache_len + len(req.tokens))
-            if held + grow > self.kv_capacity:
-                outcomes[i] = self._full(req.sid, grow, "its next step")
-                continue
-            client = session.client
-            if grow and client and quota is not None:
-                by_client = by_client if by_client is not None else self._bytes_by_client()
-                if by_client.get(client, 0) + grow > quota:
-                    whole = session.slot.capacity * slots.bytes_per_token + grow
-                    outcomes[i] = self._client_full(
-                        req.sid, grow, "its next step", by_client.get(client, 0), quota, whole
-                    )
-                    continue
-                by_client[client] = by_client.get(client, 0) + grow
-            held += grow
-            kept.append((i, req, session))
+        """``verifies`` less those whose slot the KV ledger refuses to grow
+        (``KVLedger.step_refusals``: the refusal is their outcome, the session as it was);
+        prompts reserved their whole slot at their Open."""
+        steps = [(req.sid, s, s.cache_len + len(req.tokens)) for _, req, s in verifies]
+        kept = []
+        for (i, req, s), refusal in zip(verifies, self.kv_ledger.step_refusals(steps), strict=True):
+            if refusal is None:
+                kept.append((i, req, s))
+            else:
+                outcomes[i] = refusal
         return kept
 
     def _without_culprit(self, verifies, chunks, outcomes: list, e: Exception):
@@ -564,22 +521,16 @@ class TargetModel:
             raise ValueError("prompt must hold at least one token")
         self._check_ids(req.prompt)
         self.end(req.sid)
+        # The prompt's whole slot, now; after end(): a re-Open's old slot is freed.
+        need = self.kv_ledger.check_open(req.sid, req.client, len(req.prompt) - 1)
         slots = self.forward.slots
-        need = slots.growth_bytes(None, len(req.prompt) - 1)  # the prompt's whole slot, now
-        if self.kv_bytes + need > self.kv_capacity:
-            raise self._full(req.sid, need, "its prompt")
-        quota = self.client_kv_quota
-        if req.client and quota is not None:
-            held = self.client_kv_bytes(req.client)  # after end(): a re-Open's old slot is freed
-            if held + need > quota:
-                raise self._client_full(req.sid, need, "its prompt", held, quota, need)
         try:
             slot = slots.open(req.sid)
             slots.reserve(slot, len(req.prompt) - 1)
         except Exception as e:
             slots.free(req.sid)
             if _out_of_memory(e):
-                raise self._full(req.sid, need, "its prompt") from e
+                raise self.kv_ledger.full(req.sid, need, "its prompt") from e
             raise
         lease_s = max(req.lease_s, 0.0)
         session = _Sequence(params=req.params, slot=slot, lease_s=lease_s, client=req.client)
@@ -589,34 +540,6 @@ class TargetModel:
             self.prefills[req.sid] = _Prefill(session, todo, req.client)
         else:
             self._finished.append((req.sid, None))
-
-    def _full(self, sid: int, need: int, what: str) -> KVCapacityExceeded:
-        mib = 2**20
-        return KVCapacityExceeded(
-            f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, "
-            f"{max(self.kv_capacity - self.kv_bytes, 0) / mib:.1f} of "
-            f"{self.kv_capacity / mib:.1f} MiB free here; retry when sessions end"
-        )
-
-    def _client_full(
-        self, sid: int, need: int, what: str, held: int, quota: int, whole: int
-    ) -> KVCapacityExceeded:
-        """The refusal of ``need`` more bytes for session ``sid`` past its client's share
-        (``quota``, of which its sessions hold ``held``); ``whole``: the session's slot with
-        them, which alone may be more than the share (then no other session's end helps)."""
-        mib = 2**20
-        if whole <= quota:
-            then = "; retry when its sessions end"
-        elif what == "its prompt":
-            then = "; use a shorter prompt"
-        else:
-            then = "; this session cannot grow further (its slot alone would exceed the share)"
-        return KVCapacityExceeded(
-            f"session {sid}: {what} needs {need / mib:.1f} MiB more KV memory, and its client's "
-            f"sessions hold {held / mib:.1f} MiB of the client's share of {quota / mib:.1f} MiB "
-            f"({self.kv_per_client_share:g} of the {self.kv_capacity / mib:.1f} MiB here, "
-            f"counted across every gateway){then}"
-        )
 
     def _checked(self, req: Verify) -> _Sequence:
         session = self._get(req.sid)
@@ -672,32 +595,6 @@ class TargetModel:
         for sid in stale:
             self.end(sid)
         return stale
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.forward.slots.bytes_held
-
-    @property
-    def client_kv_quota(self) -> int | None:
-        """Bytes of KV slots one client's sessions may hold together: ``kv_per_client_share``
-        of the capacity; None: no quota."""
-        if not self.kv_per_client_share:
-            return None
-        return max(1, int(self.kv_capacity * self.kv_per_client_share))
-
-    def client_kv_bytes(self, client: int) -> int:
-        """Bytes of KV slots the sessions of ``client`` hold now (0: none counted)."""
-        return self._bytes_by_client().get(client, 0) if client else 0
-
-    def _bytes_by_client(self) -> dict[int, int]:
-        """Per client: the bytes its sessions' slots hold. Counted from the sessions held, so
-        a session that ends in any way (END, an eviction, a lapsed lease, a failed prefill)
-        gives its bytes back without bookkeeping of its own."""
-        bpt, out = self.forward.slots.bytes_per_token, {}
-        for s in self.sessions.values():
-            if s.client:
-                out[s.client] = out.get(s.client, 0) + s.slot.capacity * bpt
-        return out
 
     def _get(self, sid: int) -> _Sequence:
         try:

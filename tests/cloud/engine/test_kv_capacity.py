@@ -29,7 +29,7 @@ def _target(target_dir, slots: int | None = None) -> TargetModel:
 
 
 def test_capacity_defaults_to_the_device_and_must_be_positive(target_dir):
-    assert _target(target_dir).kv_capacity > 0
+    assert _target(target_dir).kv_ledger.kv_capacity > 0
     with pytest.raises(ValueError, match="KV capacity"):
         TargetModel(target_dir, device="cpu", calibrate=False, weights="float", kv_capacity=-1)
 
@@ -42,7 +42,7 @@ def test_an_open_past_the_capacity_is_refused_and_the_others_served(target_dir):
     assert outcomes[:2] == [None, None]
     assert isinstance(outcomes[2], KVCapacityExceeded) and "retry" in str(outcomes[2])
     assert 3 not in target.sessions
-    assert target.kv_bytes <= target.kv_capacity
+    assert target.kv_ledger.kv_bytes <= target.kv_ledger.kv_capacity
     [v], _ = target.run([Verify(1, 3, [3])])
     assert v.result.token == reference_greedy(target_dir, [1, 2, 3], 1)[0]
 

@@ -38,9 +38,9 @@ def _open(target: TargetModel, sid: int, client: int, prompt=(1, 2, 3), **kw):
 
 def test_the_share_defaults_to_a_quarter_and_must_be_in_0_1(target_dir, slot_bytes):
     target = _target(target_dir, slot_bytes)
-    assert target.kv_per_client_share == KV_PER_CLIENT_SHARE == 0.25
-    assert target.client_kv_quota == 2 * slot_bytes
-    assert _target(target_dir, slot_bytes, kv_per_client_share=0).client_kv_quota is None
+    assert target.kv_ledger.kv_per_client_share == KV_PER_CLIENT_SHARE == 0.25
+    assert target.kv_ledger.client_kv_quota == 2 * slot_bytes
+    assert _target(target_dir, slot_bytes, kv_per_client_share=0).kv_ledger.client_kv_quota is None
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="per-client KV share"):
             _target(target_dir, slot_bytes, kv_per_client_share=bad)
@@ -56,11 +56,11 @@ def test_an_open_past_the_clients_share_is_refused_and_others_served(target_dir,
     mib = slot_bytes / 2**20
     assert f"hold {2 * mib:.1f} MiB of the client's share of {2 * mib:.1f} MiB" in message
     assert 3 not in target.sessions
-    assert target.client_kv_bytes(ALICE) == 2 * slot_bytes
+    assert target.kv_ledger.client_kv_bytes(ALICE) == 2 * slot_bytes
     assert _open(target, 4, BOB) is None  # another client still gets in
     for sid in (5, 6, 7):  # sessions without a client: the whole capacity alone
         assert _open(target, sid, 0) is None
-    assert target.kv_bytes == 6 * slot_bytes
+    assert target.kv_ledger.kv_bytes == 6 * slot_bytes
     [v], _ = target.run([Verify(1, 3, [3])])  # the client's held sessions are served as before
     assert v.result.token == reference_greedy(target_dir, [1, 2, 3], 1)[0]
 
@@ -94,7 +94,9 @@ def test_a_step_past_the_clients_share_is_refused_the_session_intact(target_dir,
     greedy = reference_greedy(target_dir, long, 3)
     accepted = 0 if greedy[0] != 5 else 1 if greedy[1] != 6 else 2
     assert (v.result.accepted, v.result.token) == (accepted, greedy[accepted])
-    assert target.client_kv_bytes(ALICE) == 2 * slot_bytes  # its grown slot: 128 positions
+    assert (
+        target.kv_ledger.client_kv_bytes(ALICE) == 2 * slot_bytes
+    )  # its grown slot: 128 positions
 
 
 def test_growths_in_one_pass_count_together(target_dir, slot_bytes):
@@ -104,12 +106,12 @@ def test_growths_in_one_pass_count_together(target_dir, slot_bytes):
     _open(target, 2, ALICE, prompt=long)
     # Alice holds two slots and each step needs one more: a share of three admits one of the
     # two; a count taken once before the pass would admit both (four slots).
-    target.kv_per_client_share = 3 / SLOTS
+    target.kv_ledger.kv_per_client_share = 3 / SLOTS
     step = [long[-1], 5, 6]
     outcomes, _ = target.run([Verify(1, MIN_SLOT, step), Verify(2, MIN_SLOT, step)])
     assert outcomes[0].result is not None
     assert isinstance(outcomes[1], KVCapacityExceeded)
-    assert target.client_kv_bytes(ALICE) == 3 * slot_bytes
+    assert target.kv_ledger.client_kv_bytes(ALICE) == 3 * slot_bytes
 
 
 def test_a_reopen_does_not_count_its_old_slot(target_dir, slot_bytes):
@@ -117,7 +119,7 @@ def test_a_reopen_does_not_count_its_old_slot(target_dir, slot_bytes):
     _open(target, 1, ALICE)
     _open(target, 2, ALICE)
     assert _open(target, 2, ALICE, prompt=[4, 5, 6]) is None  # the same sid again
-    assert target.client_kv_bytes(ALICE) == 2 * slot_bytes
+    assert target.kv_ledger.client_kv_bytes(ALICE) == 2 * slot_bytes
 
 
 @pytest.mark.parametrize("ends", ["released", "evicted", "lease expired"])
@@ -133,5 +135,5 @@ def test_a_session_that_ends_gives_its_bytes_back_to_its_client(target_dir, slot
     else:
         target.sessions[1].last_used -= 60 if ends == "lease expired" else 900
         assert target.evict_idle(600) == [1]  # past its lease, or past the idle limit
-    assert target.client_kv_bytes(ALICE) == slot_bytes
+    assert target.kv_ledger.client_kv_bytes(ALICE) == slot_bytes
     assert _open(target, 3, ALICE) is None

@@ -159,7 +159,7 @@ class TritonPythonModel:
             config, "kv_capacity_mib"
         )
         # The share of the capacity one client's sessions may hold, whichever gateways opened
-        # them (TargetModel.client_kv_quota); 0: no quota.
+        # them (KVLedger.client_kv_quota); 0: no quota.
         per_client = os.environ.get("SPECSPLIT_KV_PER_CLIENT_SHARE") or _param(
             config, "kv_per_client_share", str(KV_PER_CLIENT_SHARE)
         )
@@ -209,8 +209,8 @@ class TritonPythonModel:
                 cache_len = len(request.prompt) - 1
                 # The gateway's admission counts KV bytes at the slots' real dtype, against
                 # what this target may hold and holds now (all gateways' sessions).
-                target = self.target
-                kv = (target.forward.slots.bytes_per_token, target.kv_capacity, target.kv_bytes)
+                ledger = self.target.kv_ledger
+                kv = (ledger.slots.bytes_per_token, ledger.kv_capacity, ledger.kv_bytes)
                 _send(sender, _response(0, -1, info.ms, cache_len, sessions, info, kv))
             elif isinstance(request, Close):
                 _send(sender, _response(0, -1, 0.0, 0, sessions, info or PassInfo()))
