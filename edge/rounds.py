@@ -41,6 +41,16 @@ from specsplit.shared.session_mode import SessionMode
 
 log = logging.getLogger(__name__)
 
+# An adaptive plan's first block, drafted while the cloud prefills, before any verdict measured
+# acceptance or what rows cost. It is on the path to the first token twice: the edge drafts it
+# after its own prefill (the cloud waits for it up to Started.lead_after_ms), and the cloud then
+# verifies it in a pass of k + 1 rows. Where rows cost time (the CPU target: each row past the
+# first ~0.27 of a one-row pass) and at the prior acceptance of 0.6 (edge/adaptive.py), the
+# first round's gain over a one-row step, E(k) - 1 - 0.27 k in one-row passes, is best at k = 2-3
+# and negative at 8; at 0.8 it is best at 4. Where rows are free (a GPU) 4 instead of 8 costs
+# E(8) - E(4) = 0.2-1 token once. The rounds after it choose k from what they measured.
+FIRST_BLOCK = 4
+
 
 async def run_rounds(
     stream: Stream, proposer: Proposer | None, plan: SessionPlan, prompt: Sequence[int]
@@ -58,7 +68,7 @@ async def run_rounds(
     # sampled draft needs the seed first, which Started brings when the request sent none.
     if plan.mode is SessionMode.LOCK_STEP and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
-        k_first = min(plan.max_draft_tokens, stream.max_new_tokens - 1)
+        k_first = _first_k(plan, stream.max_new_tokens)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
     reading = led = None  # the first Verdict's read while the block drafts; a lead it read
     try:
@@ -73,7 +83,7 @@ async def run_rounds(
         elif early is not None:
             first = await early.result()
         if plan.mode is SessionMode.LOCK_STEP and first is None and led is None:
-            k_first = min(plan.max_draft_tokens, started.max_new_tokens - 1)
+            k_first = _first_k(plan, started.max_new_tokens)
             first = await block_off_loop(proposer, committed.tokens, k_first, rule)
     finally:
         if early is not None:  # the drafter must be idle before anyone else uses it
@@ -115,6 +125,13 @@ async def run_rounds(
         log.info("the stream ended after its final Verdict, before Finished: %s", e.details())
         if not stream.stats.finish:
             stream.stats.observe_finished(committed.final)
+
+
+def _first_k(plan: SessionPlan, max_new_tokens: int) -> int:
+    """The first block's size: FIRST_BLOCK at most where k adapts, else the plan's fixed k;
+    never past the length limit (a round emits up to k + 1 tokens)."""
+    k = min(plan.max_draft_tokens, FIRST_BLOCK) if plan.adaptive else plan.max_draft_tokens
+    return min(k, max_new_tokens - 1)
 
 
 async def _block_or_lead(stream: Stream, early: Worker):

@@ -202,3 +202,27 @@ def test_a_cloud_that_leads_before_the_first_block_is_done_is_followed_at_once()
     assert stream.verdicts[0].led and stream.verdicts[0].round == 0
     assert stream.stats.cloud_took_lead and stream.stats.lead_round == 0
     assert all(not d.lead for d in stream.drafts) and stream.finished
+
+
+@pytest.mark.parametrize(("adaptive", "first"), [(True, dispatcher.FIRST_BLOCK), (False, 8)])
+def test_the_first_block_is_short_where_k_adapts(monkeypatch, adaptive, first):
+    """Before any verdict, an adaptive plan's first block holds FIRST_BLOCK drafts, not the
+    largest k: it is drafted and verified on the way to the first token (edge/rounds.py); a
+    fixed k stays fixed."""
+    monkeypatch.setattr(LeadChoice, "should_lead", lambda choice, k: False)
+    sizes = []
+
+    class Counting(FakeProposer):
+        def propose(self, committed, k, rule, stop=None) -> Block:
+            sizes.append(k)
+            return super().propose(committed, k, rule, stop)
+
+    stream = FakeCloudStream(20)
+    cfg = GenerationConfig(max_new_tokens=20, max_draft_tokens=8, adaptive=adaptive)
+    plan = SessionPlan.of(cfg)
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, Counting(), plan, PROMPT)]
+
+    assert sum(asyncio.run(main()), []) == expected(20)
+    assert sizes[0] == first
