@@ -42,8 +42,8 @@ measured rate beat lock-step's (``Link.led_pays``; with no lock-step measured, w
 cloud-only pace, one token per Started.step_ms, by MARGIN). Tokens per pass alone are no
 measure across modes on a CPU target, where a lock-step pass over k + 1 rows costs up to three
 one-row steps: in the full bench at 0-50 ms, prose, cloud-led's ~1.3 tokens a pass ran
-0.95-1.03x cloud-only and lock-step adaptive's ~3.5 ran 0.80-0.88x
-(docs/benchmarks.md at ff4ab90).
+0.93-1.04x cloud-only and lock-step adaptive's ~4 ran 0.72-1.03x (docs/benchmarks.md, make
+bench at 865d6b5; 0.95-1.03x and 0.80-0.88x in the run at ff4ab90).
 """
 
 from __future__ import annotations
@@ -141,6 +141,9 @@ class LeadChoice:
         self.idle_ms: float | None = None  # per round: verdict to verdict, minus the pass
         # ... minus the drafting on the critical path: the link and the edge's own overheads
         self.link_ms: float | None = None
+        # per drafted token, whether on the critical path or drafted ahead: the draft's speed
+        # (``lengths.draft_ms`` counts the critical path only, for the block size's choice)
+        self.draft_token_ms: float | None = None
         self.overhead_ms: float = 0.0  # per step: at the gateway, minus the pass
         self.rounds = 0
 
@@ -158,7 +161,9 @@ class LeadChoice:
         to this one, ``verify_ms`` its target pass and ``server_ms`` its time at the gateway;
         ``draft_ms`` what drafting the block took, ``critical_ms`` the part of it inside the
         cycle (None: drafted ahead, hidden)."""
-        self.lengths.observe(k, accepted, verify_ms, draft_ms=draft_ms)
+        self.lengths.observe(k, accepted, verify_ms)
+        if draft_ms is not None and k > 0:
+            self.draft_token_ms = ema(self.draft_token_ms, draft_ms / k)
         self.rounds += 1
         idle = max(0.0, cycle_ms - verify_ms)
         self.idle_ms = ema(self.idle_ms, idle)
@@ -174,7 +179,7 @@ class LeadChoice:
         block's k: the lock-step idle counted the block's drafting where it was on the critical
         path, which at RTT 0 on a CPU made cloud-led look three to five steps behind after every
         rejection instead of one. Before the edge's draft step was measured: k and the idle."""
-        per_token = self.lengths.draft_ms
+        per_token = self.draft_token_ms
         if per_token is None or self.link_ms is None:
             return k, self.idle_ms or 0.0
         supplied = max(1, round(one_row / max(per_token, 1e-3)))
