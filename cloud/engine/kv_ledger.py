@@ -129,15 +129,12 @@ class KVLedger:
             client = session.client
             if grow and client and quota is not None:
                 by_client = by_client if by_client is not None else self._bytes_by_client()
-                if by_client.get(client, 0) + grow > quota:
+                mine = by_client.get(client, 0)
+                if mine + grow > quota:
                     whole = session.slot.capacity * bpt + grow
-                    out.append(
-                        self._client_full(
-                            sid, grow, "its next step", by_client.get(client, 0), quota, whole
-                        )
-                    )
+                    out.append(self._client_full(sid, grow, "its next step", mine, quota, whole))
                     continue
-                by_client[client] = by_client.get(client, 0) + grow
+                by_client[client] = mine + grow
             held += grow
             out.append(None)
         return out
