@@ -113,20 +113,27 @@ def test_generate_without_draft_uses_the_cached_default_draft(tiny, tmp_path, mo
 def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_path, monkeypatch):
     """Each `generate` is a new process: the link the first measured is written to the cache
     (edge.link_memory) and read by the next, which starts cloud-led where that link says so
-    (here a remembered slow link: on this machine's loopback lock-step would be kept)."""
+    (here a remembered auto run that led and whose cloud-led passes paid)."""
     from specsplit.edge.link_memory import load_link, save_link
     from specsplit.edge.mode_switch import Yield
 
-    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
     args = ["generate", "--server", cloud.address, "--draft", str(tiny.draft_onnx)]
     args += ["--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "12", "--json"]
+    # the server's Started carries its recent step only once it has stepped: a generation with
+    # a cache of its own first, so that this test does not depend on which ran before it
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "warm-up"))
+    assert edge(*args).returncode == 0
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
     r = edge(*args)
     assert r.returncode == 0, r.stderr
     first = load_link(cloud.address)
     assert first is not None and first.step_ms > 0 and first.rtt_ms is not None
     assert not json.loads(r.stdout)["led_at_start"]  # cold: nothing remembered
-    # as after an auto run that led, and whose cloud-led passes paid (2 tokens each)
-    save_link(cloud.address, first._replace(led=True, lock_step=None, cloud_led=Yield(2.0, 5.0)))
+    # as after an auto run that led, and whose cloud-led passes paid: 2 tokens a pass at the
+    # remembered step's pace, twice cloud-only's (Link.led_pays compares with one token per
+    # step_ms; a fixed pass time would not pay where this machine steps the tiny target faster)
+    led = Yield(2.0, first.step_ms)
+    save_link(cloud.address, first._replace(led=True, lock_step=None, cloud_led=led))
     r = edge(*args)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
