@@ -459,9 +459,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument(
         "--threads",
         type=int,
-        help="ONNX Runtime intra-op threads per drafter (default: one per CPU this process may "
-        "use where its affinity or cgroup quota allows fewer than the machine's, else ONNX "
-        "Runtime's: one per physical core)",
+        help="ONNX Runtime intra-op threads, shared by the drafters (default: one per CPU this "
+        "process may use where its affinity or cgroup quota allows fewer than the machine's, "
+        "else ONNX Runtime's: one per physical core)",
     )
     _add_provider_arg(s)
     s.add_argument(

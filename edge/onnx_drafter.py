@@ -297,17 +297,36 @@ class OnnxDrafter:
             f"{kind}.{i}" for i in range(int(meta["num_layers"])) for kind in ("key", "value")
         ]
         device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
-        kv_heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
-        self._kv = _KVCache(layers, kv_heads, head_dim, self.max_positions, device)
-        self._binding = self._session.io_binding()
-        self._binding.bind_output("logits", "cpu")  # first: get_outputs()[0], in binding order
-        self._tokens: list[int] = []
+        self._kv_layout = (layers, int(meta["num_kv_heads"]), int(meta["head_dim"]), device)
         # An LM head over part of the vocabulary (edge.export.exporter.head_rows): the others'
         # logits are -inf, so the draft never proposes them (its q is 0 there, which keeps it
         # exact).
         ids = meta.get("lm_head_ids")
         self._head_ids = None if ids is None else np.load(model_dir / ids)
+        self._open_sequence()
         log.info("draft %s (%s) on %s", meta["source"]["name"], self.precision, self.provider)
+
+    def _open_sequence(self) -> None:
+        """This drafter's own sequence: an empty KV cache and the IO binding that feeds it."""
+        layers, kv_heads, head_dim, device = self._kv_layout
+        self._kv = _KVCache(layers, kv_heads, head_dim, self.max_positions, device)
+        self._binding = self._session.io_binding()
+        self._binding.bind_output("logits", "cpu")  # first: get_outputs()[0], in binding order
+        self._tokens: list[int] = []
+
+    def another(self) -> OnnxDrafter:
+        """A drafter for another sequence on this one's ONNX Runtime session: the weights and
+        the thread pool are shared, the KV cache and the IO binding are its own. Drafters made so
+        may run at once from different threads (a session's Run is thread-safe). Each new
+        session would hold the weights again: each added ~360 MB of RSS with the int4 draft, so the
+        OpenAI endpoint's 4 slots held 1.5 GB, and 4 intra-op pools, each sized to every CPU,
+        spun against each other on them."""
+        other = object.__new__(OnnxDrafter)
+        other.__dict__.update(
+            {k: v for k, v in self.__dict__.items() if k not in ("_kv", "_binding", "_tokens")}
+        )
+        other._open_sequence()
+        return other
 
     @property
     def cached(self) -> list[int]:

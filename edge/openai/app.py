@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -66,9 +67,10 @@ class ServeConfig:
     draft_dir: Path  # the ONNX draft export; its tokenizer and chat template serve the text
     model_name: str  # what /v1/models lists and responses name
     route: str = "split"  # edge.client.SERVE_ROUTES
-    concurrency: int = 4  # generations at once, each with its own drafter; more requests wait
+    concurrency: int = 4  # generations at once, each with its own drafter (one shared ONNX
+    # Runtime session: OnnxDrafter.another); more requests wait
     generation: GenerationConfig = GenerationConfig()  # k, retry window, target model name
-    threads: int | None = None  # ONNX Runtime intra-op threads per drafter
+    threads: int | None = None  # ONNX Runtime intra-op threads (the drafters' one session)
     provider: str = "auto"  # the drafters' execution provider (edge.onnx_drafter.PROVIDERS)
     client: dict = field(default_factory=dict)  # SplitClient's TLS and token keywords
     api_key: str | None = None  # given: /v1 requests need "Authorization: Bearer <api_key>"
@@ -141,8 +143,17 @@ class Endpoint:
         if cfg.route == "split":
             from specsplit.edge.onnx_drafter import OnnxDrafter
 
-            def make_drafter():
-                return OnnxDrafter(cfg.draft_dir, threads=cfg.threads, provider=cfg.provider)
+            loaded: list[OnnxDrafter] = []
+            loading = threading.Lock()
+
+            def make_drafter():  # the first slot loads the draft, the others share its session
+                with loading:
+                    if not loaded:
+                        loaded.append(
+                            OnnxDrafter(cfg.draft_dir, threads=cfg.threads, provider=cfg.provider)
+                        )
+                        return loaded[0]
+                return loaded[0].another()
 
         self.pool = ClientPool(cfg.concurrency, make_drafter, address=cfg.server, **cfg.client)
         self.health = HealthProbe(cfg.server, **cfg.client)

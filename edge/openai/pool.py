@@ -2,9 +2,10 @@
 task per generation so that ending it early is a clean cancel.
 
 A drafter's KV cache belongs to one sequence, so concurrent requests each need their own: the pool
-holds ``size`` slots, each a ``SplitClient`` with its own ``OnnxDrafter``, made on first use (an
-idle endpoint loads one draft, not ``size``). Requests beyond ``size`` wait for a slot, first come
-first served (asyncio's queues wake their waiters in order).
+holds ``size`` slots, each a ``SplitClient`` with its own drafter, made on first use (the
+endpoint's drafters share one ONNX Runtime session, ``OnnxDrafter.another``: one copy of the
+weights and one thread pool, whatever ``size``). Requests beyond ``size`` wait for a slot, first
+come first served (asyncio's queues wake their waiters in order).
 """
 
 from __future__ import annotations

@@ -233,3 +233,51 @@ def test_drafter_does_not_import_torch():
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_drafters_on_one_session_keep_their_own_sequences(draft_exports, monkeypatch):
+    """``another`` shares the session (one copy of the weights), not the cache: two sequences
+    interleaved, in the same thread or at once from two, each give a lone drafter's logits,
+    through a truncate and buffers that outgrow their size at different times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
+    first = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    second = first.another()
+    assert second._session is first._session and second.cached == []
+    lone = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    a = [PROMPT, [11, 250], [0], [42, 42, 9, 1, 3]]
+    b = [[5, 8, 13, 21, 34, 55, 89, 2, 3, 1, 4, 1, 5], [9], [2, 6]]
+
+    def expected(chunks):
+        lone.reset()
+        return [lone.forward(c, all_logits=True) for c in chunks]
+
+    want_a, want_b = expected(a), expected(b)
+    first.forward(a[0])  # interleaved in one thread
+    got_b = [second.forward(b[0], all_logits=True)]
+    first.truncate(len(a[0]) - 1)  # only first's length moves
+    got_a = [first.forward(a[0][-1:], all_logits=True)]
+    for x, y in zip(a[1:], b[1:], strict=False):
+        got_a.append(first.forward(x, all_logits=True))
+        got_b.append(second.forward(y, all_logits=True))
+    got_a.append(first.forward(a[3], all_logits=True))
+    np.testing.assert_allclose(got_a[0], want_a[0][-1:], rtol=0, atol=1e-5)
+    for got, want in zip(got_a[1:] + got_b, want_a[1:] + want_b, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert first.cached == sum(a, []) and second.cached == sum(b, [])
+
+    def run(drafter, chunks):  # at once: each thread its own sequence, 20 times over
+        out = []
+        for _ in range(20):
+            drafter.reset()
+            out.append([drafter.forward(c, all_logits=True) for c in chunks])
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        runs_a, runs_b = pool.submit(run, first, a), pool.submit(run, second, b)
+        for got, want in [(r, want_a) for r in runs_a.result()] + [
+            (r, want_b) for r in runs_b.result()
+        ]:
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)

@@ -251,6 +251,20 @@ def test_concurrent_requests_beyond_the_pool_all_equal_the_target(serve, tiny, c
         assert r.choices[0].message.content == expected(tiny, codec, chat_ids(codec, p))
 
 
+def test_the_pools_drafters_share_one_session(draft_dir):
+    """The endpoint loads the draft once: each slot's drafter is the first's ``another``
+    (its own sequence on the same ONNX Runtime session), not a new session holding the weights
+    again."""
+    from specsplit.edge.openai.app import Endpoint, ServeConfig
+
+    endpoint = Endpoint(ServeConfig(server="127.0.0.1:1", draft_dir=draft_dir, model_name="m"))
+    drafters = [endpoint.pool._make_drafter() for _ in range(3)]
+    assert len({id(d) for d in drafters}) == 3
+    assert all(d._session is drafters[0]._session for d in drafters)
+    drafters[1].forward([1, 2, 3])
+    assert drafters[0].cached == [] and drafters[2].cached == []
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [
