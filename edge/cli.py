@@ -407,8 +407,8 @@ def _add_serve_parser(sub) -> None:
         "--concurrency",
         type=int,
         default=4,
-        help="generations at once, each with its own drafter (loaded on first use); "
-        "more requests wait (default 4)",
+        help="generations at once, each with its own drafter (its own KV cache on one ONNX "
+        "Runtime session, loaded by the first request); more requests wait (default 4)",
     )
     s.add_argument(
         "--max-waiting",
