@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
 
-    from specsplit.edge.models import ensure_draft_onnx
+    from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
 
-    draft_dir = args.draft or ensure_draft_onnx("qwen2.5-coder-0.5b-instruct")
+    draft_dir = args.draft or ensure_draft_onnx()
     ids = prompt_ids(draft_dir, args.tokens)
     drafter = OnnxDrafter(draft_dir, threads=args.threads, profile=args.profile)
     drafter.forward(ids[:16])  # also warms the prefill path (first-run allocations)
