@@ -85,3 +85,16 @@ def test_every_gemm_format_computes_the_linear():
         y = gemm_session(weight, *fmt).run(None, {"x": x})[0]
         error = np.sqrt(np.mean((y - ref) ** 2) / np.mean(ref**2))  # a wrong layout: ~1.4
         assert error < 0.2, (label, error)
+
+
+def test_draft_slots_prints_both_ways_for_each_count(tiny, capsys):
+    """bench.draft_slots on the tiny draft (real ONNX Runtime, a process per configuration):
+    a row per way and count, the shared one as one session."""
+    from bench.draft_slots import main
+
+    args = ["--draft", str(tiny.draft_onnx), "--slots", "1", "--slots", "2"]
+    assert main(args + ["--prompt", "5", "--steps", "3", "--repeats", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["1", "1"], ["2", "2"], ["2", "1"]]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and len(row) == 4 + int(row[0])
