@@ -101,6 +101,18 @@ class _Speculation:
         else:  # the cloud went elsewhere: everything drafted after the fork is useless
             self.tokens, self.q, self.alts, self.sent_to = [], [], [], None
 
+    def adopt(self, block: Block, committed_since: list[int]) -> bool:
+        """Starts as ``block``, drafted after the prefix of ``committed_since`` (what the cloud
+        committed while it drafted), where that agrees with the block and nothing was drafted
+        since: the rest of the block, none of it sent. Whether anything is left to send."""
+        n = len(committed_since)
+        if self.tokens or block.tokens[:n] != committed_since or n >= len(block.tokens):
+            return False
+        q = block.q if block.q is not None else [None] * len(block.tokens)
+        self.tokens, self.q, self.sent_to = block.tokens[n:], q[n:], None
+        self.alts = [None] * len(self.tokens)
+        return True
+
     def restart(self, tokens: list[int], alts: list[Alternative | None]) -> None:
         """From tokens drafted already after the committed prefix (a branch's), none of them
         sent as this speculation: its next Draft is a full one."""
@@ -297,10 +309,13 @@ async def cloud_led_rounds(
     plan: SessionPlan,
     started: pb.Started,
     handover: Handover | None = None,
+    early: Worker | None = None,
 ) -> AsyncIterator[list[int]]:
     """From Started, or from a lock-step stream's ``handover``: the speculation then starts as
     the lead block and reaches past it, with the acceptance the lock-step rounds measured, while
-    the cloud verifies it, instead of waiting for that verdict."""
+    the cloud verifies it, instead of waiting for that verdict. ``early``: the block (Block, ms)
+    being drafted after the prompt since Start (edge.rounds); the speculation starts as what of
+    it the cloud has not committed otherwise by the time it is done, sent at once."""
     stats = stream.stats
     max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     reach = None
@@ -325,7 +340,8 @@ async def cloud_led_rounds(
     stale_from = 0  # Verdict.drafts_dropped when drafting last (re)started
     remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
-    worker: Worker | None = None
+    worker: Worker | None = early
+    prefix = list(committed.tokens)  # what the worker drafts after
     getter: asyncio.Future | None = None
     try:
         while True:
@@ -351,7 +367,15 @@ async def cloud_led_rounds(
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if worker is not None and worker.future.done():
+            if worker is not None and worker is early and worker.future.done():
+                block, _ = await worker.result()
+                worker = early = None
+                since = committed.tokens[len(prefix) :]  # committed while it drafted
+                # Where no Draft can reach the cloud in time, it is not sent (only its prefill
+                # is kept: the drafter's cache)
+                if not idle and spec.adopt(block, since) and not await drafts.send(spec):
+                    paused = -1
+            elif worker is not None and worker.future.done():
                 token, q, alt = await worker.result()
                 worker = None
                 if prefix == [*committed.tokens, *spec.tokens]:  # no verdict moved it meanwhile

@@ -1,7 +1,8 @@
 """One stream's life, Start to Finished: the one place a session mode meets its loop.
 
-Start asks for the plan's mode; the first lock-step block is drafted while the cloud prefills;
-Started settles the plan (edge.session_plan) and brings the seed the draft rule needs. Where the
+Start asks for the plan's mode; the first block (lock-step's first Draft, or the start of a
+cloud-led speculation) is drafted while the cloud prefills; Started settles the plan
+(edge.session_plan) and brings the seed the draft rule needs. Where the
 cloud may lead (Started.lead_after_ms), its first Verdict is read while that block drafts: a
 cloud that led before the block was done (it measured a long round trip, docs/design.md#probe)
 is followed at once, cloud-led from its Verdict, instead of after the drafting. Then the
@@ -65,12 +66,15 @@ async def run_rounds(
     fingerprint = proposer.tokenizer_fingerprint if drafts else None
     await stream.start(committed.tokens, plan.mode, fingerprint, plan.follows_lead)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
-    # sampled draft needs the seed first, which Started brings when the request sent none.
-    if plan.mode is SessionMode.LOCK_STEP and (stream.seed is not None or cfg.sampling.greedy):
+    # sampled draft needs the seed first, which Started brings when the request sent none. A
+    # cloud-led stream's goes on drafting into its rounds (``early_led``): its cloud steps on
+    # from the prefill without waiting, and a speculation begun only at Started (a prefill
+    # on the edge, then tokens) left its first passes draftless (3-8 of them on the 2-core CPU).
+    if drafts and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
         k_first = _first_k(plan, stream.max_new_tokens)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
-    reading = led = None  # the first Verdict's read while the block drafts; a lead it read
+    reading = led = early_led = None  # the first Verdict's read while the block drafts; a lead
     try:
         started = await stream.started()
         plan = plan.settled(started, stream.stats.start_rtt_ms)
@@ -78,18 +82,24 @@ async def run_rounds(
         if plan.mode.drafts and rule is None:
             rule = _rule(stream, proposer, started.seed)
         first = None
-        if early is not None and started.lead_after_ms > 0 and not plan.lead_first:
+        if early is not None and plan.mode is SessionMode.CLOUD_LED:
+            early_led, early = early, None  # the cloud-led rounds take it over
+        elif early is not None and started.lead_after_ms > 0 and not plan.lead_first:
             first, reading, led = await _block_or_lead(stream, early)
-        elif early is not None:
-            first = await early.result()
+        elif early is not None and plan.mode is SessionMode.LOCK_STEP:
+            first = await early.result()  # (asked cloud-led, the server runs lock-step: too)
         if plan.mode is SessionMode.LOCK_STEP and first is None and led is None:
             k_first = _first_k(plan, started.max_new_tokens)
             first = await block_off_loop(proposer, committed.tokens, k_first, rule)
+        if plan.mode is not SessionMode.CLOUD_ONLY:
+            _check_pair(proposer, started.model)
+    except BaseException:
+        if early_led is not None:
+            await early_led.join()
+        raise
     finally:
         if early is not None:  # the drafter must be idle before anyone else uses it
             await early.join()
-    if plan.mode is not SessionMode.CLOUD_ONLY:
-        _check_pair(proposer, started.model)
     mode, handover = plan.mode, None
     if led is not None:  # the cloud leads before any Draft: cloud-led from its first Verdict
         stream.stats.observe_lead(0, by_cloud=True)
@@ -103,7 +113,10 @@ async def run_rounds(
         if mode is SessionMode.CLOUD_ONLY:
             rounds = cloud_only_rounds(stream, committed)
         elif mode is SessionMode.CLOUD_LED:
-            rounds = cloud_led_rounds(stream, committed, proposer, rule, plan, started, handover)
+            rounds = cloud_led_rounds(
+                stream, committed, proposer, rule, plan, started, handover, early_led
+            )
+            early_led = None  # the rounds join it, whatever happens to them
         else:
             rounds = lockstep_rounds(
                 stream, committed, proposer, rule, plan, started, first, reading=reading

@@ -80,3 +80,47 @@ def test_a_verdict_out_of_step_fails_the_stream_before_its_chunk_is_handed_on():
         asyncio.run(main())
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert len(chunks) == 2 and stream.stats.rounds == 2
+
+
+@pytest.mark.parametrize("steps_first", [0, 1, 2])
+def test_a_block_drafted_during_the_prefill_starts_the_speculation(steps_first):
+    """``early`` (edge.rounds: drafted after the prompt while the cloud prefilled): its first
+    Draft holds what of that block the cloud did not commit while it drafted (``steps_first``
+    cloud-led steps before the block was done), from the committed prefix, sent before any
+    other drafting."""
+    import threading
+
+    from specsplit.edge.drafting import Block
+    from specsplit.edge.worker import Worker
+
+    drafted = [FakeProposer.draft(len(PROMPT) + i) for i in range(4)]  # wrong at PROMPT + 3
+    gate = threading.Event()
+
+    def block_after_the_prompt(stop):  # done once the cloud stepped ``steps_first`` times
+        assert gate.wait(10)
+        return Block(list(drafted), None), 1.0
+
+    class Counting(FakeCloudStream):
+        async def recv(self, kind):
+            if len(self.verdicts) >= steps_first:
+                gate.set()
+                await asyncio.sleep(0.01)  # the block's thread goes first
+            return await super().recv(kind)
+
+    stream, seq = Counting(N, SessionMode.CLOUD_LED), committed()
+
+    async def main():
+        early = Worker(block_after_the_prompt)
+        rounds = cloud_led_rounds(
+            stream, seq, FakeProposer(), GREEDY, plan(SessionMode.CLOUD_LED),
+            stream.started_message(), None, early,
+        )  # fmt: skip
+        return [c async for c in rounds]
+
+    chunks = asyncio.run(main())
+    assert sum(chunks, []) == expected(N)
+    first = stream.drafts[0]
+    # the loop may read the block before the Verdicts that came meanwhile: at most those
+    j = first.base_len - len(PROMPT)
+    assert 0 <= j <= steps_first and not first.continues
+    assert list(first.tokens[: 4 - j]) == drafted[j:]

@@ -69,6 +69,7 @@ def test_the_dispatcher_switches_once_on_a_handover(
 ):
     ran: list[str] = []
     received: list = []
+    drafted_early: list = []
     handover = Handover(2, Block([8, 9], None), 40, DraftLength(4))
 
     async def lockstep(stream, committed, proposer, rule, plan, started, first, reading=None):
@@ -79,9 +80,13 @@ def test_the_dispatcher_switches_once_on_a_handover(
         if hands_over:
             yield handover
 
-    async def cloud_led(stream, committed, proposer, rule, plan, started, given=None):
+    async def cloud_led(stream, committed, proposer, rule, plan, started, given=None, early=None):
         ran.append("cloud_led")
         received.append(given)
+        if early is not None:  # the block drafted while the cloud prefilled, handed on
+            block, _ = await early.result()
+            await early.join()
+            drafted_early.append(block.tokens)
         committed.tokens += [7]
         yield [7]
 
@@ -101,6 +106,8 @@ def test_the_dispatcher_switches_once_on_a_handover(
     assert stream.finished == 3 + sum(len(c) for c in chunks)
     if "cloud_led" in ran:
         assert received == [handover if runs is SessionMode.LOCK_STEP else None]
+    # a stream cloud-led from Start begins its speculation with the block drafted meanwhile
+    assert drafted_early == ([[5]] if loops == ["cloud_led"] else [])
 
 
 def test_cloud_only_runs_its_loop(monkeypatch):
