@@ -104,7 +104,10 @@ def test_a_client_that_never_reads_yields_its_place_under_pressure():
         async with long_gateway(admission, StreamPolicy(idle_timeout_s=60.0)) as (stub, _):
             stuck = await _never_reading(stub)
             try:
-                await asyncio.sleep(1.0)  # its sends block early; idle beyond the grace since
+                # Its sends block once the window fills, and it is idle beyond the grace from
+                # then: waited for, not slept on (a loaded machine fills the window later than
+                # an idle one; after a fixed second the stream was still sending under CI).
+                await _until(lambda: admission.reclaimable(), within_s=10.0)
                 t0 = time.monotonic()
                 fresh = [m async for m in stub.Generate(iter([_cloud_only(8)]), timeout=10)]
                 waited = time.monotonic() - t0
