@@ -102,9 +102,10 @@ class _Speculation:
             self.tokens, self.q, self.alts, self.sent_to = [], [], [], None
 
     def adopt(self, block: Block, committed_since: list[int]) -> bool:
-        """Starts as ``block``, drafted after the prefix of ``committed_since`` (what the cloud
-        committed while it drafted), where that agrees with the block and nothing was drafted
-        since: the rest of the block, none of it sent. Whether anything is left to send."""
+        """Starts as the part of ``block`` (drafted after the committed prefix as it was then)
+        past ``committed_since`` (what the cloud committed while it drafted), none of it sent,
+        where the block begins with those tokens and nothing else was drafted meanwhile.
+        Whether anything is left to send."""
         n = len(committed_since)
         if self.tokens or block.tokens[:n] != committed_since or n >= len(block.tokens):
             return False
