@@ -21,6 +21,7 @@ Edge runtime only: onnxruntime + numpy. Never import torch or transformers here.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -321,10 +322,7 @@ class OnnxDrafter:
         session would hold the weights again: each added ~360 MB of RSS with the int4 draft, so the
         OpenAI endpoint's 4 slots held 1.5 GB, and 4 intra-op pools, each sized to every CPU,
         spun against each other on them."""
-        other = object.__new__(OnnxDrafter)
-        other.__dict__.update(
-            {k: v for k, v in self.__dict__.items() if k not in ("_kv", "_binding", "_tokens")}
-        )
+        other = copy.copy(self)  # the session and the model's metadata, shared
         other._open_sequence()
         return other
 

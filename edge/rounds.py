@@ -67,14 +67,15 @@ async def run_rounds(
     await stream.start(committed.tokens, plan.mode, fingerprint, plan.follows_lead)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
     # sampled draft needs the seed first, which Started brings when the request sent none. A
-    # cloud-led stream's goes on drafting into its rounds (``early_led``): its cloud steps on
-    # from the prefill without waiting, and a speculation begun only at Started (a prefill
-    # on the edge, then tokens) left its first passes draftless (3-8 of them on the 2-core CPU).
+    # cloud-led stream's block is handed on to its rounds (``handed``), which join it: its cloud
+    # steps on from the prefill without waiting, and a speculation begun only at Started (a
+    # prefill on the edge, then tokens) left its first passes draftless (3-8 on the 2-core CPU).
     if drafts and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
         k_first = _first_k(plan, stream.max_new_tokens)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
-    reading = led = early_led = None  # the first Verdict's read while the block drafts; a lead
+    reading = led = None  # the first Verdict's read while the block drafts; a lead it read
+    handed = False
     try:
         started = await stream.started()
         plan = plan.settled(started, stream.stats.start_rtt_ms)
@@ -82,24 +83,23 @@ async def run_rounds(
         if plan.mode.drafts and rule is None:
             rule = _rule(stream, proposer, started.seed)
         first = None
-        if early is not None and plan.mode is SessionMode.CLOUD_LED:
-            early_led, early = early, None  # the cloud-led rounds take it over
-        elif early is not None and started.lead_after_ms > 0 and not plan.lead_first:
+        if early is None or plan.mode is SessionMode.CLOUD_LED:
+            pass  # nothing drafted early, or the cloud-led rounds draft on from it
+        elif started.lead_after_ms > 0 and not plan.lead_first:
             first, reading, led = await _block_or_lead(stream, early)
-        elif early is not None and plan.mode is SessionMode.LOCK_STEP:
-            first = await early.result()  # (asked cloud-led, the server runs lock-step: too)
+        else:
+            first = await early.result()
         if plan.mode is SessionMode.LOCK_STEP and first is None and led is None:
             k_first = _first_k(plan, started.max_new_tokens)
             first = await block_off_loop(proposer, committed.tokens, k_first, rule)
         if plan.mode is not SessionMode.CLOUD_ONLY:
             _check_pair(proposer, started.model)
-    except BaseException:
-        if early_led is not None:
-            await early_led.join()
-        raise
+        handed = early is not None and plan.mode is SessionMode.CLOUD_LED
     finally:
-        if early is not None:  # the drafter must be idle before anyone else uses it
+        # the drafter must be idle before anyone else uses it (a handed block: the rounds')
+        if early is not None and not handed:
             await early.join()
+    early_led = early if handed else None
     mode, handover = plan.mode, None
     if led is not None:  # the cloud leads before any Draft: cloud-led from its first Verdict
         stream.stats.observe_lead(0, by_cloud=True)
