@@ -45,6 +45,10 @@ SUPPORTED_FORMAT = 1
 # only an export with lm_head_ids has)
 SAME_IO = (3, 4, GRAPH_FORMAT)
 REST_NONE = 2**62  # rest_from that asks for no position's rest of a split head
+# A split head computes its rest while an id outside its frequent rows lies among the sequence's
+# last this many tokens: rare ids come together (another language, an unusual name), and one
+# far back (the default system prompt's " Cloud") says little about what comes next.
+RARE_WINDOW = 32
 INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
 PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt, at most ...
 # ... and fewer where the cache is long: one pass holds attention scores of [heads, chunk,
@@ -303,9 +307,10 @@ class OnnxDrafter:
         device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         self._kv_layout = (layers, int(meta["num_kv_heads"]), int(meta["head_dim"]), device)
         # An LM head split by frequency (edge.export.exporter.head_rows): the frequent ids'
-        # logits every pass, the others' (logits_rest) only once the sequence holds one of them
-        # (``_needs_rest``); until then they are -inf, so the draft never proposes them (its q
-        # is 0 there, which keeps it exact). A format 3-4 export's partial head has no rest.
+        # logits every pass, the others' (logits_rest) only where the sequence's last tokens
+        # hold one of them (``_needs_rest``); else they are -inf, so the draft does not propose
+        # them (its q is 0 there, which keeps it exact). A format 3-4 export's partial head has
+        # no rest.
         ids = meta.get("lm_head_ids")
         self._head_ids = None if ids is None else np.load(model_dir / ids)
         self._rest_ids = self._frequent = None
@@ -383,12 +388,18 @@ class OnnxDrafter:
         return logits  # [seq or 1, vocab]
 
     def _needs_rest(self, tokens: Sequence[int]) -> bool:
-        """Whether a split head's rest is computed for a pass over ``tokens``: the sequence
-        holds an id outside its frequent rows (text those rows do not cover: another
-        language, a rare symbol), which makes the next ones likelier to be outside too."""
+        """Whether a split head's rest is computed for a pass over ``tokens``: the last
+        RARE_WINDOW tokens of the sequence after it hold an id outside the frequent rows (text
+        they do not cover: another language, a rare name), which makes the next ids likelier
+        to be outside too."""
         if self._frequent is None:
             return False
-        return bool(self._rare) or bool(self._rare_at(tokens).size)
+        past = len(self._tokens)
+        since = past + len(tokens) - RARE_WINDOW
+        rare = self._rare_at(tokens)
+        return bool(rare.size and past + rare[-1] >= since) or bool(
+            self._rare and self._rare[-1] >= since
+        )
 
     def _rare_at(self, tokens: Sequence[int]) -> np.ndarray:
         """Indices into ``tokens`` of the ids outside a split head's frequent rows."""

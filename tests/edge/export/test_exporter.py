@@ -192,8 +192,11 @@ def test_a_split_lm_head_adds_the_other_ids_once_the_sequence_holds_one(
 ):
     """An LM head split after the lowest ids (plus EOS and added tokens): over text of those ids
     the kept ids' logits are the whole head's and every other id is -inf (never proposed, q = 0);
-    once the sequence holds another id, every id's logits are the whole head's; rolled back
-    before that id, the kept rows alone again."""
+    while the sequence's last RARE_WINDOW tokens hold another id, every id's logits are the
+    whole head's; rolled back before that id, or RARE_WINDOW tokens past it, the kept rows
+    alone again."""
+    from specsplit.edge.onnx_drafter import RARE_WINDOW
+
     full = OnnxDrafter(draft_exports["tied", precision], providers=CPU)
     out = export_onnx(qwen_dirs["tied"], tmp_path / "part", precision=precision, head_vocab=100)
     part = OnnxDrafter(out, providers=CPU)
@@ -221,6 +224,9 @@ def test_a_split_lm_head_adds_the_other_ids_once_the_sequence_holds_one(
     ref, got = full.forward([5]), part.forward([5])
     close(got, ref, kept)
     assert np.isneginf(got[:, others]).all()
+    part.forward([200, *[5] * (RARE_WINDOW - 2)])
+    assert not np.isneginf(part.forward([5])[:, others]).any()  # 200: the window's first
+    assert np.isneginf(part.forward([5])[:, others]).all()  # past the window
     # a prompt holding others from the start: every id at once, in a prefill and in a step
     part.reset(), full.reset()
     close(part.forward(PROMPT), full.forward(PROMPT), np.arange(part.vocab_size))
