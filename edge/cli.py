@@ -25,6 +25,7 @@ from specsplit.edge.gguf_tokenizer import gguf_tokenizer
 from specsplit.edge.link_memory import load_link, save_link
 from specsplit.edge.models import (
     DEFAULT_DRAFT,
+    DEFAULT_HEAD_VOCAB,
     DEFAULT_PRECISION,
     PRECISIONS,
     cached_tokenizer_dir,
@@ -591,11 +592,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--head-vocab",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="an LM head over the N most frequent token ids (the shipped Qwen2.5 table; the N "
-        "lowest ids for other tokenizers) + EOS and added tokens only: a faster draft step "
-        "that never proposes the others (default 0: the whole vocabulary)",
+        help="split the LM head after the N most frequent token ids (the shipped Qwen2.5 "
+        "table; the N lowest ids for other tokenizers) + EOS and added tokens: a step reads "
+        "those rows alone until the text holds another id, then all of them; 0: one head "
+        f"(default {DEFAULT_HEAD_VOCAB} where the table ranks the tokenizer, else 0)",
     )
     return parser
 

@@ -35,15 +35,21 @@ PRECISIONS = (
     "int4-fp16",
 )  # edge.export.exporter's weight formats (edge.export.onnx_graph); *fp16: for GPU providers
 # The graph's I/O contract (edge.export.onnx_graph), checked by the drafter, and the export's
-# layout, which names the cached export. 4: MatMulNBits blocks of 128 (edge.export.onnx_quant;
-# the I/O of 3, so the drafter runs 3 too: only the cache exports again). 3: the LM head runs
+# layout, which names the cached export. 5: an LM head split by frequency (--head-vocab)
+# computes the other ids on demand (rest_from, logits_rest) instead of never; 4: MatMulNBits
+# blocks of 128 (edge.export.onnx_quant; the I/O of 3, so the drafter runs 3 too: only the cache
+# exports again). 3: the LM head runs
 # from input logits_from on (a prefill computes its last position's logits only); 2: the KV cache
 # is one buffer per layer written in place (TensorScatter); 1 returned concat(past, new) each step.
-GRAPH_FORMAT = 4
+GRAPH_FORMAT = 5
 # int4 (blocks of 128): on one AMD EPYC core 19.4 ms/token of CPU vs int8's 22.9, agreement with
 # the served target on code 0.898 vs 0.911, prose 0.732 vs 0.732 (README "Draft precision",
 # bench.draft_agreement). int8 stays one flag away.
 DEFAULT_PRECISION = "int4"
+# The LM head split after this many of the most frequent ids where the shipped frequency table
+# ranks the tokenizer (edge.export.exporter.export_onnx; the rest computed once the sequence
+# holds one of them): README "Draft precision" has the measurements.
+DEFAULT_HEAD_VOCAB = 65536
 
 
 def export_dir(model: Path | GgufChunkSource, precision: str) -> Path:

@@ -41,7 +41,14 @@ METADATA_FILE = (
     "specsplit_draft.json"  # same name as edge.export.exporter writes (not imported: no torch)
 )
 SUPPORTED_FORMAT = 1
-SAME_IO = (3, GRAPH_FORMAT)  # graph formats whose I/O this drafter runs (4 changed the layout)
+# graph formats whose I/O this drafter runs (4 changed the layout; 5 the split head's I/O, which
+# only an export with lm_head_ids has)
+SAME_IO = (3, 4, GRAPH_FORMAT)
+REST_NONE = 2**62  # rest_from that asks for no position's rest of a split head
+# A split head computes its rest while an id outside its frequent rows lies among the sequence's
+# last this many tokens: rare ids come together (another language, an unusual name), and one
+# far back (the default system prompt's " Cloud") says little about what comes next.
+RARE_WINDOW = 32
 INITIAL_CAPACITY = 256  # KV positions first allocated; doubled whenever a sequence outgrows it
 PREFILL_CHUNK = 512  # tokens per forward pass of a long prompt, at most ...
 # ... and fewer where the cache is long: one pass holds attention scores of [heads, chunk,
@@ -299,11 +306,19 @@ class OnnxDrafter:
         ]
         device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         self._kv_layout = (layers, int(meta["num_kv_heads"]), int(meta["head_dim"]), device)
-        # An LM head over part of the vocabulary (edge.export.exporter.head_rows): the others'
-        # logits are -inf, so the draft never proposes them (its q is 0 there, which keeps it
-        # exact).
+        # An LM head split by frequency (edge.export.exporter.head_rows): the frequent ids'
+        # logits every pass, the others' (logits_rest) only where the sequence's last tokens
+        # hold one of them (``_needs_rest``); else they are -inf, so the draft does not propose
+        # them (its q is 0 there, which keeps it exact). A format 3-4 export's partial head has
+        # no rest.
         ids = meta.get("lm_head_ids")
         self._head_ids = None if ids is None else np.load(model_dir / ids)
+        self._rest_ids = self._frequent = None
+        inputs = {i.name for i in self._session.get_inputs()}
+        if self._head_ids is not None and "rest_from" in inputs:
+            self._rest_ids = np.setdiff1d(np.arange(self.vocab_size), self._head_ids)
+            self._frequent = np.zeros(self.vocab_size, dtype=bool)
+            self._frequent[self._head_ids] = True
         self._open_sequence()
         log.info("draft %s (%s) on %s", meta["source"]["name"], self.precision, self.provider)
 
@@ -313,7 +328,10 @@ class OnnxDrafter:
         self._kv = _KVCache(layers, kv_heads, head_dim, self.max_positions, device)
         self._binding = self._session.io_binding()
         self._binding.bind_output("logits", "cpu")  # first: get_outputs()[0], in binding order
+        if self._rest_ids is not None:
+            self._binding.bind_output("logits_rest", "cpu")  # second
         self._tokens: list[int] = []
+        self._rare: list[int] = []  # positions in _tokens of ids outside a split head's rows
 
     def another(self) -> OnnxDrafter:
         """A drafter for another sequence on this one's ONNX Runtime session: the weights and
@@ -346,27 +364,52 @@ class OnnxDrafter:
         # A long prompt goes in chunks: attention scores are [heads, chunk, capacity] floats.
         # The cache grows as they go (doubling): attention reads the whole buffer, so one sized
         # for the whole prompt up front would make every early chunk read empty positions.
+        rest = self._needs_rest(tokens)
         chunks, i = [], 0
         while i < seq:
             done = len(self._tokens)
             self._reserve(min(past + seq, done + PREFILL_CHUNK), done)
             size = prefill_chunk(self._num_heads, self._kv.capacity)
-            chunks.append(self._step(tokens[i : i + size], all_logits))
+            chunks.append(self._step(tokens[i : i + size], all_logits, rest))
             i += size
         if all_logits:  # [seq, head rows]
-            logits = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            parts = [np.concatenate(part) for part in zip(*chunks, strict=True)]
         else:  # [1, head rows]: the last position's
-            logits = chunks[-1][-1:]
+            parts = [part[-1:] for part in chunks[-1]]
+        logits = parts[0]
         if self._head_ids is not None:
             full = np.full((len(logits), self.vocab_size), -np.inf, dtype=np.float32)
             full[:, self._head_ids] = logits
+            if rest:
+                full[:, self._rest_ids] = parts[1]
             logits = full
         if self.token_count < self.vocab_size:
             logits[:, self.token_count :] = -np.inf
         return logits  # [seq or 1, vocab]
 
-    def _step(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
-        """One pass; the logits of every token, or of the last one only ([1, head rows])."""
+    def _needs_rest(self, tokens: Sequence[int]) -> bool:
+        """Whether a split head's rest is computed for a pass over ``tokens``: the last
+        RARE_WINDOW tokens of the sequence after it hold an id outside the frequent rows (text
+        they do not cover: another language, a rare name), which makes the next ids likelier
+        to be outside too."""
+        if self._frequent is None:
+            return False
+        past = len(self._tokens)
+        since = past + len(tokens) - RARE_WINDOW
+        rare = self._rare_at(tokens)
+        return bool(rare.size and past + rare[-1] >= since) or bool(
+            self._rare and self._rare[-1] >= since
+        )
+
+    def _rare_at(self, tokens: Sequence[int]) -> np.ndarray:
+        """Indices into ``tokens`` of the ids outside a split head's frequent rows."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        inside = (ids >= 0) & (ids < self.vocab_size)
+        return np.flatnonzero(~inside | ~self._frequent[np.where(inside, ids, 0)])
+
+    def _step(self, tokens: Sequence[int], all_logits: bool, rest: bool = False) -> list:
+        """One pass: the logits of every token, or of the last one only ([1, head rows]), and
+        with ``rest`` a split head's rest for the same positions ([n, other ids])."""
         past, seq = len(self._tokens), len(tokens)
         self._reserve(past + seq, past)
         binding = self._binding
@@ -375,10 +418,16 @@ class OnnxDrafter:
         logits_from = 0 if all_logits else seq - 1
         binding.bind_cpu_input("logits_from", np.array([logits_from], dtype=np.int64))
         binding.bind_output("logits", "cpu")  # a fresh [1, seq - logits_from, vocab] each call
+        if self._rest_ids is not None:
+            rest_from = np.array([0 if rest else REST_NONE], dtype=np.int64)
+            binding.bind_cpu_input("rest_from", rest_from)
+            binding.bind_output("logits_rest", "cpu")
         self._session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()  # [1, seq - logits_from, vocab or head rows]
+        outputs = binding.get_outputs()  # [1, seq - logits_from, vocab or head rows], rest
+        if self._frequent is not None:
+            self._rare.extend(past + int(i) for i in self._rare_at(tokens))
         self._tokens.extend(int(t) for t in tokens)
-        return logits[0]
+        return [outputs[0].numpy()[0], *([outputs[1].numpy()[0]] if rest else [])]
 
     def _reserve(self, total: int, valid: int) -> None:
         if self._kv.reserve(total, valid):  # the buffers moved: past and present are the new ones
@@ -392,6 +441,8 @@ class OnnxDrafter:
         if not 0 <= n <= len(self._tokens):
             raise ValueError(f"truncate({n}) outside 0..{len(self._tokens)}")
         del self._tokens[n:]
+        while self._rare and self._rare[-1] >= n:
+            self._rare.pop()
 
     def reset(self) -> None:
         self.truncate(0)

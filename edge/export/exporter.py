@@ -39,7 +39,7 @@ from specsplit.edge.export import token_freq
 from specsplit.edge.export.families import ModelSpec, check_architecture, read_spec
 from specsplit.edge.export.onnx_graph import OPSET, build_model
 from specsplit.edge.export.onnx_quant import DEFAULT_BLOCK
-from specsplit.edge.models import GRAPH_FORMAT, PRECISIONS
+from specsplit.edge.models import DEFAULT_HEAD_VOCAB, GRAPH_FORMAT, PRECISIONS
 from specsplit.shared.tokenizer_fingerprint import token_count, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 METADATA_FORMAT = 1
 METADATA_FILE = "specsplit_draft.json"
 ONNX_FILE = "model.onnx"
-HEAD_IDS_FILE = "lm_head_ids.npy"  # present when the LM head covers part of the vocabulary
+HEAD_IDS_FILE = "lm_head_ids.npy"  # present when the LM head is split: its frequent rows
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -125,14 +125,16 @@ def eos_token_ids(model_dir: Path, config: dict) -> list[int]:
 def head_rows(
     model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int, table: Path | None = None
 ) -> np.ndarray | None:
-    """The token ids a draft's LM head keeps when it covers ``head_vocab`` of the vocabulary
-    (0: all of it), rising: the ``head_vocab`` most frequent ids by ``edge.export.token_freq``'s
-    table (``table``, default its ``TABLE``) where that table was computed with this tokenizer
-    (the ids a corpus never showed follow, by id), else the ``head_vocab`` lowest ids (byte-level
-    BPE vocabularies number in merge order, roughly by frequency); plus every special or added
-    token and the EOS ids, without which a draft could never propose the end. The cost of an LM
-    head is its rows (a 0.5B draft's 136 MB of 494 MB per token at 151,936 rows); the draft
-    simply never proposes the others, which keeps speculation exact (q = 0 there)."""
+    """The token ids of a draft's frequent LM head rows where its head splits at ``head_vocab``
+    (0: no split; edge.export.onnx_graph), rising: the ``head_vocab`` most frequent ids by
+    ``edge.export.token_freq``'s table (``table``, default its ``TABLE``) where that table was
+    computed with this tokenizer (the ids a corpus never showed follow, by id), else the
+    ``head_vocab`` lowest ids (byte-level BPE vocabularies number in merge order, roughly by
+    frequency); plus every special or added token and the EOS ids. The cost of an LM head is
+    its rows (a 0.5B draft's 136 MB of 494 MB read per token at 151,936 rows): the draft reads
+    the frequent rows every step and the others only once its sequence holds one of them
+    (edge.onnx_drafter); until then it never proposes them, which keeps speculation exact (q = 0
+    there). None where the rows kept are all."""
     if not head_vocab or head_vocab >= spec.vocab_size:
         return None
     tokenizer = model_dir / "tokenizer.json"
@@ -148,6 +150,8 @@ def head_rows(
     if tokenizer.exists():
         added = json.loads(tokenizer.read_text()).get("added_tokens", [])
         keep |= {int(t["id"]) for t in added if int(t["id"]) < spec.vocab_size}
+    if len(keep) >= spec.vocab_size:
+        return None
     return np.array(sorted(keep), dtype=np.int64)
 
 
@@ -235,18 +239,24 @@ def export_onnx(
     out_dir: Path,
     precision: str = "fp32",
     progress: bool = False,
-    head_vocab: int = 0,
+    head_vocab: int | None = None,
     quant: QuantOptions | None = None,
 ) -> Path:
     """Exports ``model_dir`` (a Hugging Face checkpoint of a supported family) to ``out_dir``;
     returns ``out_dir``. Replaces an old one.
-    ``head_vocab``: an LM head over that many of the vocabulary's ids (``head_rows``); 0: all.
+    ``head_vocab``: the LM head split after that many of the most frequent ids (``head_rows``),
+    the rest computed only where the sequence needs them; 0: one head over every id; None:
+    ``edge.models.DEFAULT_HEAD_VOCAB`` where the shipped frequency table ranks this tokenizer's
+    ids, else 0 (ids ranked by number alone were not measured as the default).
     ``quant``: MatMulNBits block size and LM head bits (``QuantOptions``; the defaults)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unsupported precision {precision!r}; choose one of {PRECISIONS}")
-    if head_vocab < 0:
+    if head_vocab is not None and head_vocab < 0:
         raise ValueError(f"head_vocab must be >= 0 (0: the whole vocabulary), not {head_vocab}")
     model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).resolve()
+    if head_vocab is None:
+        ranked = token_freq.ranking(model_dir / "tokenizer.json", token_freq.TABLE) is not None
+        head_vocab = DEFAULT_HEAD_VOCAB if ranked else 0
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -12,6 +12,19 @@ Contract (the drafter depends on it; ``edge.models.GRAPH_FORMAT`` changes whenev
              present_key.{i}   float32  [1, kv_heads, capacity, head_dim]   past_key.{i} with
              present_value.{i} float32  [1, kv_heads, capacity, head_dim]   past_len..+seq written
 
+An LM head split by token frequency (``head_rows``: the export's ``lm_head_ids``) adds
+
+    inputs   rest_from         int64    [1]      the first of the logits positions whose rest
+                                                 of the vocabulary is computed too (any value
+                                                 >= seq - logits_from: none)
+    outputs  logits            float32  [1, seq - logits_from, len(head_rows)]   the head's rows
+             logits_rest       float32  [1, rest_len, vocab - len(head_rows)]    every other id,
+                                                 rising, for the positions from rest_from on
+
+so a step over frequent text reads the frequent rows alone, and the rest only where the caller
+asks (edge.onnx_drafter: once the sequence holds an id outside them). A head part over no
+positions is a MatMulNBits of zero rows, which reads none of its weights.
+
 ``past_len + seq <= capacity``. The LM head runs on the positions from ``logits_from`` only: a
 prompt's prefill passes ``seq - 1`` and gets the one row it samples from ([1, 1, vocab]) instead
 of [1, seq, vocab] float32 (151,936 columns at Qwen2.5: 0.6 MB a position, ~10 GB at 8k tokens,
@@ -250,17 +263,20 @@ def _lm_head(
     x: str,
     rows,
     bits: int,
+    name: str = "lm_head",
+    out: str = "logits",
 ) -> None:
+    """``out`` = the LM head's ``rows`` (None: all) applied to x (soft-capped for Gemma 2)."""
     # Tied weights are written twice on purpose: sharing one initializer between the Gather and
     # the MatMul made ORT keep both it and the MatMul's prepacked copy (+544 MB RSS at 0.5B).
     head = embed if spec.tied_embeddings else weights("lm_head.weight")  # [vocab, hidden]
-    if rows is not None:  # a draft may propose from part of the vocabulary (export.head_rows)
+    if rows is not None:  # a draft's head split by frequency (export.head_rows)
         head = head[rows]
     cap = spec.final_softcap
-    logits = g.linear(x, head, "lm_head", out=None if cap else "logits", bits=bits)
+    logits = g.linear(x, head, name, out=None if cap else out, bits=bits)
     if cap:  # Gemma 2: cap * tanh(logits / cap)
         c = g.const("final_softcap", f32(cap))
-        g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, c])]), c], out="logits")
+        g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, c])]), c], out=out)
 
 
 def _int8_lookup(g: GraphBuilder, embed: np.ndarray, scale: np.float32 | None) -> str:
@@ -276,7 +292,7 @@ def _int8_lookup(g: GraphBuilder, embed: np.ndarray, scale: np.float32 | None) -
     return g.op("Mul", [x, row_scale])  # [1, seq, hidden]
 
 
-def _io(spec: ModelSpec, logits: int) -> tuple[list, list]:
+def _io(spec: ModelSpec, logits: int, rest: int = 0) -> tuple[list, list]:
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv = [1, spec.num_kv_heads, "capacity", spec.head_dim]  # past and present: one buffer
     inputs = [
@@ -285,6 +301,9 @@ def _io(spec: ModelSpec, logits: int) -> tuple[list, list]:
     ]
     inputs.append(helper.make_tensor_value_info("logits_from", i64, [1]))
     outputs = [helper.make_tensor_value_info("logits", f, [1, "logits_len", logits])]
+    if rest:  # a split head (module docstring)
+        inputs.append(helper.make_tensor_value_info("rest_from", i64, [1]))
+        outputs.append(helper.make_tensor_value_info("logits_rest", f, [1, "rest_len", rest]))
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", f, kv))
@@ -311,8 +330,9 @@ def build_model(
     embedding table too, for "fp16"); the residual stream, norms, rotary, attention and the KV
     cache stay float32, so the graph's inputs and outputs are those of the others.
     ``on_layer(done, total)`` is called after each decoder layer (export progress).
-    ``head_rows``: the token ids whose logits the graph computes, in its ``logits`` order
-    (None: the whole vocabulary). ``block``: inputs per weight scale of every MatMulNBits;
+    ``head_rows``: the token ids of ``logits``, in its order, rising (None: the whole
+    vocabulary); every other id then goes to ``logits_rest``, computed on demand (module
+    docstring). ``block``: inputs per weight scale of every MatMulNBits;
     ``head_bits``: the LM head's (8 or 4) where the precision quantises.
     """
     assert precision in ("fp32", "int8", "int4", "fp16", "int4-fp16"), precision
@@ -331,12 +351,17 @@ def build_model(
         x = _norm(g, spec, x, weights, "model.norm")  # [1, seq, hidden]
         # the positions whose logits are asked for: [1, seq - logits_from, hidden]
         x = g.op("Slice", [x, "logits_from", g.ints("int64_max", [2**63 - 1]), g.ints("ax1", [1])])
-        _lm_head(
-            g, spec, weights, embed, x, head_rows, head_bits
-        )  # [1, seq - logits_from, vocab or rows]
+        _lm_head(g, spec, weights, embed, x, head_rows, head_bits)  # [1, logits_len, rows]
+        rest = None if head_rows is None else np.setdiff1d(np.arange(spec.vocab_size), head_rows)
+        if rest is not None:  # the other ids, for the positions from rest_from on
+            end, ax1 = g.ints("int64_max", [2**63 - 1]), g.ints("ax1", [1])
+            x_rest = g.op("Slice", [x, "rest_from", end, ax1])  # [1, rest_len, hidden]
+            names = ("lm_head_rest", "logits_rest")
+            _lm_head(g, spec, weights, embed, x_rest, rest, head_bits, *names)
     finally:
         data.close()
-    inputs, outputs = _io(spec, spec.vocab_size if head_rows is None else len(head_rows))
+    rows = spec.vocab_size if head_rows is None else len(head_rows)
+    inputs, outputs = _io(spec, rows, 0 if rest is None else len(rest))
     graph = helper.make_graph(g.nodes, f"{spec.family}_draft", inputs, outputs, g.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from bench.draft_agreement import agreement, step_times
+from bench.draft_agreement import agreement, rare_id, step_times
 from bench.draft_prefill import op_times, step_ms
 
 VOCAB = 16
@@ -98,3 +98,11 @@ def test_draft_slots_prints_both_ways_for_each_count(tiny, capsys):
     assert [row[:2] for row in rows] == [["1", "1"], ["2", "2"], ["2", "1"]]
     for row in rows:
         assert float(row[2]) > 0 and float(row[3]) > 0 and len(row) == 4 + int(row[0])
+
+
+def test_rare_id_is_outside_a_split_heads_rows(tmp_path):
+    assert rare_id(tmp_path) is None  # no lm_head_ids.npy: one head over every id
+    np.save(tmp_path / "lm_head_ids.npy", np.array([0, 1, 2, 4, 5]))
+    assert rare_id(tmp_path) == 3
+    np.save(tmp_path / "lm_head_ids.npy", np.array([0, 1, 2]))
+    assert rare_id(tmp_path) == 3

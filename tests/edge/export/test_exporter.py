@@ -139,7 +139,7 @@ def test_metadata_and_copied_files(tmp_path):
         [7],
         "qwen2",
     )
-    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 4, "hf")
+    assert (meta["format"], meta["graph_format"], meta["source"]["name"]) == (1, 5, "hf")
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert OnnxDrafter(out, providers=CPU).eos_token_ids == (7,)
@@ -186,22 +186,51 @@ def test_failed_export_keeps_previous_output(tmp_path, qwen_dirs):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "out"]
 
 
-def test_a_partial_lm_head_keeps_its_rows_exactly_and_never_proposes_the_others(
-    qwen_dirs, draft_exports, tmp_path
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_a_split_lm_head_adds_the_other_ids_once_the_sequence_holds_one(
+    qwen_dirs, draft_exports, tmp_path, precision
 ):
-    """An LM head over the lowest ids (plus EOS and added tokens): the kept ids' logits are
-    the full head's, every other id is -inf, so the draft never proposes it (q = 0 there)."""
-    full = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
-    out = export_onnx(qwen_dirs["tied"], tmp_path / "part", precision="fp32", head_vocab=100)
+    """An LM head split after the lowest ids (plus EOS and added tokens): over text of those ids
+    the kept ids' logits are the whole head's and every other id is -inf (never proposed, q = 0);
+    while the sequence's last RARE_WINDOW tokens hold another id, every id's logits are the
+    whole head's; rolled back before that id, or RARE_WINDOW tokens past it, the kept rows
+    alone again."""
+    from specsplit.edge.onnx_drafter import RARE_WINDOW
+
+    full = OnnxDrafter(draft_exports["tied", precision], providers=CPU)
+    out = export_onnx(qwen_dirs["tied"], tmp_path / "part", precision=precision, head_vocab=100)
     part = OnnxDrafter(out, providers=CPU)
     kept = np.load(out / "lm_head_ids.npy")
     assert kept.tolist()[:100] == list(range(100)) and set(part.eos_token_ids) <= set(kept)
-    ref, got = full.forward(PROMPT, all_logits=True), part.forward(PROMPT, all_logits=True)
+    others = np.setdiff1d(np.arange(part.vocab_size), kept)
+    frequent = [t for t in PROMPT if t in kept]
+    assert 0 < len(frequent) < len(PROMPT)  # PROMPT holds others (200, 128)
+
+    def close(got, ref, ids):
+        np.testing.assert_allclose(got[:, ids], ref[:, ids], rtol=0, atol=1e-4)
+
+    ref, got = full.forward(frequent, all_logits=True), part.forward(frequent, all_logits=True)
     assert got.shape == ref.shape
-    np.testing.assert_allclose(got[:, kept], ref[:, kept], rtol=0, atol=1e-5)
-    dropped = np.setdiff1d(np.arange(ref.shape[1]), kept)
-    assert np.isneginf(got[:, dropped]).all()
-    assert all(t in kept for t in drafter_greedy(part, PROMPT, 16))
+    close(got, ref, kept)
+    assert np.isneginf(got[:, others]).all()
+    assert all(t in kept for t in drafter_greedy(part, frequent, 16))
+    part.reset(), full.reset()
+    part.forward(frequent), full.forward(frequent)
+    rare = [200, 5, 7]  # another id, then frequent ones: the rest stays on after it
+    ref, got = full.forward(rare, all_logits=True), part.forward(rare, all_logits=True)
+    close(got, ref, np.arange(part.vocab_size))
+    close(part.forward([3]), full.forward([3]), np.arange(part.vocab_size))
+    part.truncate(len(frequent)), full.truncate(len(frequent))
+    ref, got = full.forward([5]), part.forward([5])
+    close(got, ref, kept)
+    assert np.isneginf(got[:, others]).all()
+    part.forward([200, *[5] * (RARE_WINDOW - 2)])
+    assert not np.isneginf(part.forward([5])[:, others]).any()  # 200: the window's first
+    assert np.isneginf(part.forward([5])[:, others]).all()  # past the window
+    # a prompt holding others from the start: every id at once, in a prefill and in a step
+    part.reset(), full.reset()
+    close(part.forward(PROMPT), full.forward(PROMPT), np.arange(part.vocab_size))
+    close(part.forward([9]), full.forward([9]), np.arange(part.vocab_size))
     with pytest.raises(ValueError, match="head_vocab"):
         export_onnx(qwen_dirs["tied"], tmp_path / "bad", head_vocab=-1)
 

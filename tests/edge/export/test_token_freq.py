@@ -85,6 +85,25 @@ def test_the_export_ranks_its_head_by_the_table(qwen_dirs, tmp_path, monkeypatch
     assert np.load(out / "lm_head_ids.npy").tolist() == sorted({*favourites, 250, 251})
 
 
+def test_by_default_the_head_splits_only_where_the_table_ranks_the_tokenizer(
+    qwen_dirs, tmp_path, monkeypatch
+):
+    from specsplit.edge.export import exporter
+
+    model = with_tokenizer(qwen_dirs["tied"], tmp_path / "hf")
+    favourites = [199, 150, 7, 120]
+    table = table_favouring(model / "tokenizer.json", favourites, tmp_path / "freq.npz")
+    monkeypatch.setattr(token_freq, "TABLE", table)
+    monkeypatch.setattr(exporter, "DEFAULT_HEAD_VOCAB", 4)
+    out = export_onnx(model, tmp_path / "split", precision="fp32")
+    assert np.load(out / "lm_head_ids.npy").tolist() == sorted({*favourites, 250, 251})
+    # no tokenizer.json, so no table ranks it: one head over every id
+    whole = export_onnx(qwen_dirs["tied"], tmp_path / "whole", precision="fp32")
+    assert not (whole / "lm_head_ids.npy").exists()
+    one = export_onnx(model, tmp_path / "one", precision="fp32", head_vocab=0)
+    assert not (one / "lm_head_ids.npy").exists()
+
+
 def test_without_a_table_for_its_tokenizer_the_head_keeps_the_lowest_ids(qwen_dirs):
     model = qwen_dirs["tied"]  # no tokenizer.json: no table can be its tokenizer's
     config = json.loads((model / "config.json").read_text())
