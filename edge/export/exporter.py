@@ -203,7 +203,7 @@ def _write(
     tmp: Path,
     precision: str,
     progress: bool,
-    head_vocab: int,
+    head_vocab: int | None,
     quant: QuantOptions,
 ) -> None:
     config = json.loads((model_dir / "config.json").read_text())
@@ -215,6 +215,10 @@ def _write(
     def on_layer(done: int, total: int) -> None:
         log.log(level, "export %s: layer %d/%d", model_dir.name, done, total)
 
+    meta = _metadata(model_dir, config, spec, precision)  # an unreadable tokenizer: refused
+    if head_vocab is None:
+        ranked = token_freq.ranking(model_dir / "tokenizer.json", token_freq.TABLE) is not None
+        head_vocab = DEFAULT_HEAD_VOCAB if ranked else 0
     rows = head_rows(model_dir, config, spec, head_vocab)
     build_model(
         spec, weights, tmp / ONNX_FILE, precision, on_layer, rows, quant.block, quant.head_bits
@@ -222,7 +226,6 @@ def _write(
     for name in COPIED_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, tmp / name)
-    meta = _metadata(model_dir, config, spec, precision)
     meta["block_size"], meta["head_bits"] = quant.block, quant.head_bits
     if rows is not None:
         np.save(tmp / HEAD_IDS_FILE, rows)
@@ -254,9 +257,6 @@ def export_onnx(
     if head_vocab is not None and head_vocab < 0:
         raise ValueError(f"head_vocab must be >= 0 (0: the whole vocabulary), not {head_vocab}")
     model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).resolve()
-    if head_vocab is None:
-        ranked = token_freq.ranking(model_dir / "tokenizer.json", token_freq.TABLE) is not None
-        head_vocab = DEFAULT_HEAD_VOCAB if ranked else 0
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

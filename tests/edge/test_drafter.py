@@ -157,7 +157,7 @@ def test_a_long_prompt_prefills_in_chunks_sized_to_the_cache(draft_exports, monk
     # room for 3 query rows of every head over a cache of the prompt's 60 positions
     monkeypatch.setattr(onnx_drafter, "SCORES_BYTES", 4 * drafter._num_heads * 60 * 3)
     seen, step = [], drafter._step
-    monkeypatch.setattr(drafter, "_step", lambda t, a: (seen.append(len(t)), step(t, a))[1])
+    monkeypatch.setattr(drafter, "_step", lambda t, *a: (seen.append(len(t)), step(t, *a))[1])
     capacities = []
     monkeypatch.setattr(drafter._kv, "reserve", _spy(drafter._kv.reserve, capacities))
     got = drafter.forward(ids)
