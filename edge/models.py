@@ -49,8 +49,8 @@ DEFAULT_PRECISION = "int4"
 # The LM head split after this many of the most frequent ids where the shipped frequency table
 # ranks the tokenizer (edge.export.exporter.export_onnx; the rest computed once the sequence
 # holds one of them): one AMD EPYC core stepped in 16.8 ms against one head's 19.8 (19.7 while
-# the text holds another id), at equal agreement, and the split ran 1.03-1.09x as fast with
-# 6-12% less edge CPU per token (README "Draft precision").
+# the text holds another id), at equal agreement, and the split ran 1.04-1.12x as fast with
+# 5-12% less edge CPU per token (README "Draft precision", bench.draft_ab).
 DEFAULT_HEAD_VOCAB = 65536
 
 
