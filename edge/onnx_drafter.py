@@ -364,7 +364,8 @@ class OnnxDrafter:
         # A long prompt goes in chunks: attention scores are [heads, chunk, capacity] floats.
         # The cache grows as they go (doubling): attention reads the whole buffer, so one sized
         # for the whole prompt up front would make every early chunk read empty positions.
-        rest = self._needs_rest(tokens)
+        rare = self._rare_at(tokens)  # a split head's: where the rest is needed
+        rest = self._needs_rest(past + seq, rare)
         chunks, i = [], 0
         while i < seq:
             done = len(self._tokens)
@@ -372,8 +373,11 @@ class OnnxDrafter:
             size = prefill_chunk(self._num_heads, self._kv.capacity)
             chunks.append(self._step(tokens[i : i + size], all_logits, rest))
             i += size
-        if all_logits:  # [seq, head rows]
+        self._rare.extend(past + int(r) for r in rare)
+        if all_logits and len(chunks) > 1:  # [seq, head rows]
             parts = [np.concatenate(part) for part in zip(*chunks, strict=True)]
+        elif all_logits:
+            parts = chunks[0]
         else:  # [1, head rows]: the last position's
             parts = [part[-1:] for part in chunks[-1]]
         logits = parts[0]
@@ -387,22 +391,21 @@ class OnnxDrafter:
             logits[:, self.token_count :] = -np.inf
         return logits  # [seq or 1, vocab]
 
-    def _needs_rest(self, tokens: Sequence[int]) -> bool:
-        """Whether a split head's rest is computed for a pass over ``tokens``: the last
-        RARE_WINDOW tokens of the sequence after it hold an id outside the frequent rows (text
-        they do not cover: another language, a rare name), which makes the next ids likelier
-        to be outside too."""
-        if self._frequent is None:
-            return False
-        past = len(self._tokens)
-        since = past + len(tokens) - RARE_WINDOW
-        rare = self._rare_at(tokens)
-        return bool(rare.size and past + rare[-1] >= since) or bool(
-            self._rare and self._rare[-1] >= since
-        )
+    def _needs_rest(self, end: int, rare: np.ndarray) -> bool:
+        """Whether a split head's rest is computed for a pass that ends the sequence at ``end``
+        (``rare``: ``_rare_at`` of its tokens): the sequence's last RARE_WINDOW tokens hold an id
+        outside the frequent rows (text they do not cover: another language, a rare name),
+        which makes the next ids likelier to be outside too."""
+        since = end - RARE_WINDOW
+        if rare.size:
+            return len(self._tokens) + int(rare[-1]) >= since
+        return bool(self._rare) and self._rare[-1] >= since
 
     def _rare_at(self, tokens: Sequence[int]) -> np.ndarray:
-        """Indices into ``tokens`` of the ids outside a split head's frequent rows."""
+        """Indices into ``tokens`` of the ids outside a split head's frequent rows (none where
+        the head is not split)."""
+        if self._frequent is None:
+            return np.empty(0, dtype=np.int64)
         ids = np.asarray(tokens, dtype=np.int64)
         inside = (ids >= 0) & (ids < self.vocab_size)
         return np.flatnonzero(~inside | ~self._frequent[np.where(inside, ids, 0)])
@@ -423,11 +426,10 @@ class OnnxDrafter:
             binding.bind_cpu_input("rest_from", rest_from)
             binding.bind_output("logits_rest", "cpu")
         self._session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()  # [1, seq - logits_from, vocab or head rows], rest
-        if self._frequent is not None:
-            self._rare.extend(past + int(i) for i in self._rare_at(tokens))
+        # [1, seq - logits_from, vocab or head rows], then the rest (bound second)
+        outputs = binding.get_outputs()[: 2 if rest else 1]
         self._tokens.extend(int(t) for t in tokens)
-        return [outputs[0].numpy()[0], *([outputs[1].numpy()[0]] if rest else [])]
+        return [out.numpy()[0] for out in outputs]
 
     def _reserve(self, total: int, valid: int) -> None:
         if self._kv.reserve(total, valid):  # the buffers moved: past and present are the new ones

@@ -123,10 +123,15 @@ def eos_token_ids(model_dir: Path, config: dict) -> list[int]:
 
 
 def head_rows(
-    model_dir: Path, config: dict, spec: ModelSpec, head_vocab: int, table: Path | None = None
+    model_dir: Path,
+    config: dict,
+    spec: ModelSpec,
+    head_vocab: int | None,
+    table: Path | None = None,
 ) -> np.ndarray | None:
     """The token ids of a draft's frequent LM head rows where its head splits at ``head_vocab``
-    (0: no split; edge.export.onnx_graph), rising: the ``head_vocab`` most frequent ids by
+    (0: no split; None: ``DEFAULT_HEAD_VOCAB`` where the table ranks this tokenizer, else no
+    split; edge.export.onnx_graph), rising: the ``head_vocab`` most frequent ids by
     ``edge.export.token_freq``'s table (``table``, default its ``TABLE``) where that table was
     computed with this tokenizer (the ids a corpus never showed follow, by id), else the
     ``head_vocab`` lowest ids (byte-level BPE vocabularies number in merge order, roughly by
@@ -135,10 +140,16 @@ def head_rows(
     the frequent rows every step and the others only once its sequence holds one of them
     (edge.onnx_drafter); until then it never proposes them, which keeps speculation exact (q = 0
     there). None where the rows kept are all."""
-    if not head_vocab or head_vocab >= spec.vocab_size:
+    if head_vocab == 0:
         return None
     tokenizer = model_dir / "tokenizer.json"
     ranked = token_freq.ranking(tokenizer, table or token_freq.TABLE)
+    if head_vocab is None:  # ids ranked by number alone were not measured as the default
+        if ranked is None:
+            return None
+        head_vocab = DEFAULT_HEAD_VOCAB
+    if head_vocab >= spec.vocab_size:
+        return None
     if ranked is None:
         log.warning("no token frequencies for %s's tokenizer: its LM head keeps the lowest ids",
                     model_dir.name)  # fmt: skip
@@ -216,9 +227,6 @@ def _write(
         log.log(level, "export %s: layer %d/%d", model_dir.name, done, total)
 
     meta = _metadata(model_dir, config, spec, precision)  # an unreadable tokenizer: refused
-    if head_vocab is None:
-        ranked = token_freq.ranking(model_dir / "tokenizer.json", token_freq.TABLE) is not None
-        head_vocab = DEFAULT_HEAD_VOCAB if ranked else 0
     rows = head_rows(model_dir, config, spec, head_vocab)
     build_model(
         spec, weights, tmp / ONNX_FILE, precision, on_layer, rows, quant.block, quant.head_bits
