@@ -36,10 +36,11 @@ it makes tokens faster than the draftless step, E(a, k) / (w + s_(k+1)) > 1 / s_
 so the step waits while the Draft is measured due within min(w*, s_1) of the rejecting Verdict,
 and at most until then: one step is the hard cap a lost Draft stalls the session, and a Draft
 that comes when measured keeps the expected rate at or above cloud-only's. ``_Due`` holds the
-measurements: a, the session's acceptance over its cloud-led steps that verified drafts
-(cloud.capacity.Acceptance; before any, the prior PRIOR_ACCEPTANCE: at k = 1 and free rows it
-waits up to half a step); k, the tokens the first consistent Draft after a correction held (1
-before any: the edge sends each token as it drafts it, edge/cloud_led.py); s_(k+1) / s_1 from
+measurements: a, the session's acceptance over its steps that verified drafts, the lock-step ones
+before a handover included (cloud.capacity.Acceptance, cloud.gateway.handover.session_acceptance;
+before any, the prior PRIOR_ACCEPTANCE: at k = 1 and free rows it waits up to half a step); k,
+the tokens the first consistent Draft after a correction held (1 before any: the edge sends
+each token as it drafts it, edge/cloud_led.py); s_(k+1) / s_1 from
 the gateway's cost curve (cloud.capacity.CostModel, 1 until it has two sizes); the delay from
 the rejecting Verdict to that Draft, an average over corrections (before any, one wait up to the
 bound measures it). On a long link the Draft is due later than w*, and the cloud steps on at
@@ -58,8 +59,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from specsplit.cloud.capacity import Acceptance, StepTime, expected_tokens
-from specsplit.cloud.gateway.handover import Handover, PendingDraft
+from specsplit.cloud.capacity import StepTime, expected_tokens
+from specsplit.cloud.gateway.handover import Handover, PendingDraft, session_acceptance
 from specsplit.cloud.gateway.messages import next_draft
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.session import Code, Finish, ProtocolError
@@ -71,9 +72,6 @@ log = logging.getLogger(__name__)
 # edge also sends branches, each followed by its speculation again (edge/cloud_led.py
 # BRANCHES), which a branch must outlive for the few steps until the cloud reaches its position
 POOL = 16
-# A session's acceptance before its cloud-led steps measured any, and the weight (in drafts) it
-# keeps against them: even odds, so that a few measured steps decide.
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0
 WAIT_CAP_STEPS = 1.0  # the longest wait after a rejection, in one-row steps
 
 
@@ -257,7 +255,8 @@ async def cloud_led_rounds(
 
     took_lead = led_first = reading is not None
     due = _Due()
-    acceptance = Acceptance(prior=PRIOR_ACCEPTANCE, prior_weight=PRIOR_WEIGHT)
+    measured = handover.acceptance if handover is not None else None
+    acceptance = measured if measured is not None else session_acceptance()
     counts = after_rejection if after_rejection is not None else AfterRejection()
     rejected = False  # the previous step rejected a draft
 

@@ -12,7 +12,19 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from specsplit.cloud.capacity import Acceptance
 from specsplit.shared.sampling import SparseDist
+
+# A session's draft acceptance before any of its steps measured it, and the weight (in drafts)
+# the prior keeps against them: even odds, so that a few measured steps decide. Cloud-led's wait
+# after a correction reads it (cloud.gateway.cloud_led); a lock-step session measures it from
+# its first block on and hands it over with the stream.
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0
+
+
+def session_acceptance() -> Acceptance:
+    """A session's acceptance estimate before any step measured it."""
+    return Acceptance(prior=PRIOR_ACCEPTANCE, prior_weight=PRIOR_WEIGHT)
 
 
 @dataclass(eq=False)  # compared by identity: two Drafts with equal fields are two Drafts
@@ -44,6 +56,9 @@ class Handover:
 
     lead: PendingDraft | None = None
     reading: asyncio.Future | None = None
+    # What the lock-step steps measured of the session's acceptance (session_acceptance() then
+    # observed per Verdict): cloud-led rounds go on from it instead of from the prior alone.
+    acceptance: Acceptance | None = None
 
     @property
     def server_led(self) -> bool:

@@ -31,7 +31,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from specsplit.cloud.gateway.handover import Handover, PendingDraft
+from specsplit.cloud.gateway.handover import Handover, PendingDraft, session_acceptance
 from specsplit.cloud.gateway.messages import Echoes, next_draft
 from specsplit.cloud.gateway.round import Round
 from specsplit.cloud.gateway.session import Finish
@@ -62,6 +62,7 @@ async def lockstep_rounds(
     Draft.lead, or ``lead_after_s`` > 0 passed with no first Draft (the server leads), or
     sooner where ``messages`` are Echoes whose Probe measured a round trip that long."""
     session = step.session
+    acceptance = session_acceptance()  # handed over with the stream: cloud-led goes on from it
     if lead_after_s > 0:
         probed = isinstance(messages, Echoes) and messages.sent_at is not None
         probe = messages if probed else None
@@ -86,10 +87,12 @@ async def lockstep_rounds(
         t0 = time.perf_counter()
         q = step.check(draft)
         if draft.lead:
-            yield Handover(lead=PendingDraft(draft.round, draft.base_len, list(draft.tokens), q))
+            lead = PendingDraft(draft.round, draft.base_len, list(draft.tokens), q)
+            yield Handover(lead=lead, acceptance=acceptance)
             return
         verdict = await step.verdict(list(draft.tokens), q, t0)
         verdict.round, verdict.drafts_verified = draft.round, len(draft.tokens)
+        acceptance.observe(verdict.accepted, len(draft.tokens))
         yield verdict
         if session.finish is not Finish.NONE:
             return

@@ -19,7 +19,7 @@ from specsplit.cloud.gateway.cloud_led import (
     _Due,
     cloud_led_rounds,
 )
-from specsplit.cloud.gateway.handover import PendingDraft
+from specsplit.cloud.gateway.handover import Handover, PendingDraft, session_acceptance
 from specsplit.cloud.gateway.triton_client import StepReply
 from specsplit.shared.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from tests.cloud.gateway.fakes import FakeClient, FakeRound
@@ -165,14 +165,16 @@ async def _turns(n: int = 50) -> None:
         await asyncio.sleep(0)
 
 
-async def _corrections(accept: int, n: int, step_ms: float = 10_000.0):
+async def _corrections(
+    accept: int, n: int, step_ms: float = 10_000.0, handover: Handover | None = None
+):
     """A session whose steps accept ``accept`` of 4 drafts; the client's Draft after each of
     ``n`` corrections comes 0.6 of a step after it. Returns, per pass after a correction,
     whether the loop waited (it had not stepped after the client's turn) and its Verdict, and
-    the loop's AfterRejection counts."""
+    the loop's AfterRejection counts. ``handover``: the loop goes on from a lock-step session."""
     step, client, tail, clock = ScriptedRound(accept, step_ms), FakeClient(), ReadingTail(), Clock()
     counts = AfterRejection()
-    rounds = cloud_led_rounds(step, client, tail, after_rejection=counts, clock=clock)
+    rounds = cloud_led_rounds(step, client, tail, handover, after_rejection=counts, clock=clock)
     client.send(_draft_after(await anext(rounds), 1))  # after the first pass: the reader runs
     await _turns()
     v = await anext(rounds)
@@ -210,6 +212,21 @@ def test_with_acceptance_0_25_to_0_1_the_pass_does_not_wait_for_a_draft_due_at_0
     assert [waited for waited, _ in out] == [True] + [False] * 7
     assert [v.drafts_verified for _, v in out[1:]] == [0] * 7
     assert counts == AfterRejection(passes=8, waited=1, draftless_unwaited=7)
+
+
+def test_after_a_handover_the_wait_starts_from_the_acceptance_lock_step_measured():
+    # None accepted: from the prior alone the session's acceptance falls under 0.4, and the
+    # Drafts due at 0.6 of a step are not waited for once measured (as above).
+    out, _ = asyncio.run(_corrections(accept=0, n=3))
+    assert [waited for waited, _ in out] == [True, False, False]
+    # The same after 20 lock-step blocks all accepted: still over 0.9, a wait up to the cap
+    acceptance = session_acceptance()
+    for _ in range(20):
+        acceptance.observe(4, 4)
+    out, counts = asyncio.run(_corrections(accept=0, n=3, handover=Handover(acceptance=acceptance)))
+    assert [waited for waited, _ in out] == [True] * 3
+    assert [v.drafts_verified for _, v in out] == [4] * 3
+    assert counts == AfterRejection(passes=3, waited=3)
 
 
 def test_a_draft_that_never_comes_stalls_the_pass_no_longer_than_the_bound():

@@ -13,7 +13,7 @@ import pytest
 
 from specsplit.cloud.gateway import service
 from specsplit.cloud.gateway.cloud_led import ReadingTail
-from specsplit.cloud.gateway.handover import Handover, PendingDraft
+from specsplit.cloud.gateway.handover import Handover, PendingDraft, session_acceptance
 from specsplit.cloud.gateway.lockstep import lockstep_rounds
 from specsplit.cloud.gateway.session import Code, Finish, ProtocolError
 from specsplit.shared.protocol import pb
@@ -50,6 +50,21 @@ def test_lead_draft_ends_the_loop_with_a_handover_carrying_it():
         assert step.verified == [[1, 2]]  # the lead Draft is the cloud-led step's to verify
         # the Draft after the lead is still unread, for the cloud-led reader
         assert (await anext(messages)).draft.round == 3
+
+    asyncio.run(main())
+
+
+def test_a_handover_carries_the_acceptance_the_lock_step_verdicts_measured():
+    async def main():
+        step = FakeRound()  # accepts every draft token
+        drafts = [pb.Draft(round=i, base_len=3 + 5 * (i - 1), tokens=[1, 2, 3, 4]) for i in (1, 2)]
+        drafts.append(pb.Draft(round=3, base_len=13, tokens=[5], lead=True))
+        out = await _all(lockstep_rounds(step, _messages(*drafts), idle_s=5.0))
+        handover = out[-1]
+        expected = session_acceptance()
+        for _ in range(2):
+            expected.observe(4, 4)
+        assert handover.acceptance.rate == expected.rate > session_acceptance().rate
 
     asyncio.run(main())
 
