@@ -55,7 +55,7 @@ from specsplit.edge.proposer import Proposer
 from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import Stream
-from specsplit.edge.worker import Worker
+from specsplit.edge.worker import Stopped, Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
 
 PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
@@ -377,7 +377,11 @@ async def cloud_led_rounds(
                 if not idle and spec.adopt(block, since) and not await drafts.send(spec):
                     paused = -1
             elif worker is not None and worker.future.done():
-                token, q, alt = await worker.result()
+                try:
+                    token, q, alt = await worker.result()
+                except Stopped:  # cut short below: its token continued a rejected one
+                    worker = None
+                    continue
                 worker = None
                 if prefix == [*committed.tokens, *spec.tokens]:  # no verdict moved it meanwhile
                     spec.add(token, q, alt)
@@ -432,6 +436,17 @@ async def cloud_led_rounds(
                 yield chunk
                 if v.finished:
                     return
+            # A token being drafted after what a Verdict just rejected is no use: stop its pass
+            # now rather than after it (~one draft step sooner to draft after the correction).
+            if worker is not None and worker is not early and not worker.stop.is_set():
+                building = branches.building
+                if prefix != [*committed.tokens, *spec.tokens] and (
+                    building is None or prefix != building.sequence
+                ):
+                    worker.stop.set()
+                    if (cut := getattr(proposer, "interrupt", None)) is not None:
+                        cut()  # a Proposer's (edge.proposer); some replay or test ones have none
+                    stats.observe_interrupt()
     finally:
         if getter is not None:
             getter.cancel()

@@ -29,6 +29,11 @@ from specsplit.shared.sampling import (
 DEFAULT_Q_ENTRIES = 32
 
 
+class Interrupted(Exception):
+    """A forward pass stopped part way by the drafter's ``interrupt()`` (edge.onnx_drafter): the
+    cache holds what it held before, plus any whole chunks of a long prompt already run."""
+
+
 class Drafter(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]

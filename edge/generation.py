@@ -134,6 +134,8 @@ class GenerationStats:
     corrections_branched: int = 0
     branch_passes: int = 0
     branches_sent: int = 0
+    # cloud-led draft passes cut short because a Verdict rejected the token they continued
+    interrupted: int = 0
     # per session mode the rounds ran in ("lock-step", "cloud-led"): [target passes, tokens
     # committed, ms Verdict to Verdict] (edge.mode_switch.Yield: what each mode yielded)
     mode_passes: dict[str, list[float]] = field(default_factory=dict)
@@ -237,6 +239,9 @@ class GenerationStats:
         correction there had left the edge before the Verdict came."""
         self.corrections += 1
         self.corrections_branched += branched
+
+    def observe_interrupt(self) -> None:
+        self.interrupted += 1
 
     def observe_drafts_sent(self, n: int, branches: int = 0) -> None:
         """Cloud-led rounds' Drafts that reached the stream, ``branches`` of them branches."""

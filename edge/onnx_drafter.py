@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specsplit.edge.drafting import Interrupted
 from specsplit.edge.models import GRAPH_FORMAT
 
 log = logging.getLogger(__name__)
@@ -327,6 +328,8 @@ class OnnxDrafter:
         layers, kv_heads, head_dim, device = self._kv_layout
         self._kv = _KVCache(layers, kv_heads, head_dim, self.max_positions, device)
         self._binding = self._session.io_binding()
+        # interrupt() sets its terminate flag from another thread; each forward clears it first
+        self._run = ort.RunOptions()
         self._binding.bind_output("logits", "cpu")  # first: get_outputs()[0], in binding order
         if self._rest_ids is not None:
             self._binding.bind_output("logits_rest", "cpu")  # second
@@ -366,14 +369,17 @@ class OnnxDrafter:
         # for the whole prompt up front would make every early chunk read empty positions.
         rare = self._rare_at(tokens)  # a split head's: where the rest is needed
         rest = self._needs_rest(past + seq, rare)
+        self._run.terminate = False  # an interrupt() from before this pass is not for it
         chunks, i = [], 0
-        while i < seq:
-            done = len(self._tokens)
-            self._reserve(min(past + seq, done + PREFILL_CHUNK), done)
-            size = prefill_chunk(self._num_heads, self._kv.capacity)
-            chunks.append(self._step(tokens[i : i + size], all_logits, rest))
-            i += size
-        self._rare.extend(past + int(r) for r in rare)
+        try:
+            while i < seq:
+                done = len(self._tokens)
+                self._reserve(min(past + seq, done + PREFILL_CHUNK), done)
+                size = prefill_chunk(self._num_heads, self._kv.capacity)
+                chunks.append(self._step(tokens[i : i + size], all_logits, rest))
+                i += size
+        finally:  # the chunks that ran are cached: their rare ids too
+            self._rare.extend(past + int(r) for r in rare if past + r < len(self._tokens))
         if all_logits and len(chunks) > 1:  # [seq, head rows]
             parts = [np.concatenate(part) for part in zip(*chunks, strict=True)]
         elif all_logits:
@@ -425,7 +431,12 @@ class OnnxDrafter:
             rest_from = np.array([0 if rest else REST_NONE], dtype=np.int64)
             binding.bind_cpu_input("rest_from", rest_from)
             binding.bind_output("logits_rest", "cpu")
-        self._session.run_with_iobinding(binding)
+        try:
+            self._session.run_with_iobinding(binding, self._run)
+        except RuntimeError as e:
+            if self._run.terminate:
+                raise Interrupted("the draft's forward pass was interrupted") from e
+            raise
         # [1, seq - logits_from, vocab or head rows], then the rest (bound second)
         outputs = binding.get_outputs()[: 2 if rest else 1]
         self._tokens.extend(int(t) for t in tokens)
@@ -448,6 +459,13 @@ class OnnxDrafter:
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def interrupt(self) -> None:
+        """Stops the forward pass running in another thread within about one operator (ONNX
+        Runtime's RunOptions.terminate): it raises ``Interrupted`` and caches nothing of the chunk
+        it was on. A drafter's token that the cloud has rejected meanwhile need not be finished
+        (edge.cloud_led). Between passes it does nothing: the next pass clears it."""
+        self._run.terminate = True
 
     def end_profiling(self) -> str:
         """Stops the profiler (``profile=True``); returns the path of its JSON trace."""

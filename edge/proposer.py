@@ -74,6 +74,11 @@ class Proposer(Protocol):
         token, q = self.next_token(committed, rule, stop)
         return token, q, None
 
+    def interrupt(self) -> None:
+        """Cuts short a forward pass a worker thread is running for a token nobody needs any
+        more (its worker's ``stop`` is set already); nothing where the proposer cannot (this
+        default)."""
+
 
 class DraftModelProposer(Proposer):
     """Drafts with the draft model itself: edge.drafting over a ``Drafter``."""
@@ -87,6 +92,10 @@ class DraftModelProposer(Proposer):
 
     def _model(self, stop: threading.Event | None) -> Drafter:
         return self.drafter if stop is None else Stoppable(self.drafter, stop)
+
+    def interrupt(self) -> None:
+        if (cut := getattr(self.drafter, "interrupt", None)) is not None:
+            cut()
 
     def propose(self, committed, k, rule, stop=None) -> Block:
         model = self._model(stop)
@@ -238,6 +247,9 @@ class PromptLookupProposer(Proposer):
         if found and not self.checked:  # a lookup knows no second choice
             return found[0], None, None
         return self.model.next_token_with_alternative(committed, rule, stop)
+
+    def interrupt(self) -> None:
+        self.model.interrupt()
 
 
 MAX_NGRAM = 4  # the longest suffix looked up (longer matches predict better) ...

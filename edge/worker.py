@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from specsplit.edge.drafting import Drafter
+from specsplit.edge.drafting import Drafter, Interrupted
 
 T = TypeVar("T")
 
@@ -19,7 +19,8 @@ class Stopped(Exception):
 
 
 class Stoppable:
-    """The drafter as the draft-ahead worker sees it: each forward pass first checks ``stop``."""
+    """The drafter as the draft-ahead worker sees it: each forward pass first checks ``stop``, and
+    a pass the drafter's ``interrupt()`` cut short (``Interrupted``) stops the worker too."""
 
     def __init__(self, drafter: Drafter, stop: threading.Event):
         self._drafter, self._stop = drafter, stop
@@ -35,9 +36,12 @@ class Stoppable:
     def forward(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         if self._stop.is_set():
             raise Stopped
-        if all_logits:  # only drafters that take it are asked (edge.drafting.greedy_after)
-            return self._drafter.forward(tokens, all_logits=True)
-        return self._drafter.forward(tokens)
+        try:
+            if all_logits:  # only drafters that take it are asked (edge.drafting.greedy_after)
+                return self._drafter.forward(tokens, all_logits=True)
+            return self._drafter.forward(tokens)
+        except Interrupted:  # the drafter's interrupt(): told to stop mid-pass
+            raise Stopped from None
 
 
 class Worker:

@@ -6,11 +6,13 @@ in-process gateway with a rule-verifying fake, and the loop against a scripted f
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.cloud_led import cloud_led_rounds
+from specsplit.edge.drafting import Interrupted
 from specsplit.shared.session_mode import SessionMode
 from tests.edge.fake_cloud import (
     GREEDY,
@@ -124,3 +126,44 @@ def test_draftless_passes_after_a_correction_say_whether_the_edge_had_sent_a_dra
     assert s.draftless_none_sent == (stream.none_came if after_draft else s.passes_after_rejection)
     if after_draft:
         assert stream.none_came < s.passes_after_rejection  # most corrections got a Draft
+
+
+class CuttableRuleDrafter(RuleDrafter):
+    """A RuleDrafter whose passes take ``delay_s`` unless ``interrupt()`` cuts them short (as
+    OnnxDrafter's do): then the pass raises Interrupted and caches nothing."""
+
+    def __init__(self, delay_s: float, wrong: int) -> None:
+        super().__init__(0.0, wrong)
+        self.pass_s = delay_s
+        self.cut = threading.Event()
+        self.interrupts = 0  # passes cut short
+
+    def interrupt(self) -> None:
+        self.cut.set()
+
+    def forward(self, tokens):
+        self.cut.clear()
+        if self.cut.wait(self.pass_s):
+            self.interrupts += 1
+            raise Interrupted("cut short")
+        return super().forward(tokens)
+
+
+def test_a_correction_cuts_short_the_draft_pass_that_continued_the_rejected_token():
+    # Passes of 10 ms against 20 ms target steps: the edge drafts ahead without pause, so a
+    # correction mostly finds it mid-pass on a token after the rejected one; that pass is cut
+    # instead of run out, and output is exact.
+    drafter = CuttableRuleDrafter(delay_s=0.01, wrong=5)
+
+    async def run():
+        async with gateway(SlowRuleTarget) as address, SplitClient(address, drafter) as client:
+            cfg = GenerationConfig(max_new_tokens=40, session_mode="cloud-led", follow_hint=False)
+            gen = client.generate(PROMPT, cfg)
+            await gen.collect()
+            return gen
+
+    gen = asyncio.run(run())
+    assert gen.token_ids == rule_expected(40)
+    assert gen.stats.accepted < gen.stats.drafted  # corrections happened
+    assert drafter.interrupts > 0
+    assert gen.stats.interrupted > 0

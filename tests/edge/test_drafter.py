@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import specsplit.edge.onnx_drafter as onnx_drafter
+from specsplit.edge.drafting import Interrupted
 from specsplit.edge.onnx_drafter import OnnxDrafter
 from specsplit.shared.tiny import reference_greedy
 from tests.edge.reference import CPU, PROMPT, assert_logits_close, drafter_greedy, hf_logits
@@ -281,3 +282,34 @@ def test_drafters_on_one_session_keep_their_own_sequences(draft_exports, monkeyp
         ]:
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+
+
+def test_an_interrupted_pass_raises_and_caches_nothing_of_it(draft_exports):
+    """``interrupt()`` sets ONNX Runtime's terminate flag for the pass running in another thread:
+    here set as the pass starts, the pass raises Interrupted, the cache is as before, and the
+    next pass is exact (a fresh drafter's logits)."""
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter.forward(PROMPT)
+    session = drafter._session
+    run = session.run_with_iobinding
+
+    def cut_short(binding, run_options=None):
+        drafter.interrupt()  # as if from the event loop's thread while this pass runs
+        return run(binding, run_options)
+
+    session.run_with_iobinding = cut_short
+    with pytest.raises(Interrupted):
+        drafter.forward([1, 2, 3])
+    assert drafter.cached == PROMPT
+    session.run_with_iobinding = run
+    expected = fresh.forward(PROMPT + [7, 8], all_logits=True)[len(PROMPT) :]
+    np.testing.assert_allclose(drafter.forward([7, 8], True), expected, rtol=0, atol=1e-5)
+
+
+def test_an_interrupt_between_passes_leaves_the_next_pass_alone(draft_exports):
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter.interrupt()  # the pass it was meant for had ended
+    np.testing.assert_allclose(drafter.forward(PROMPT), fresh.forward(PROMPT), rtol=0, atol=0)
+    assert drafter.cached == PROMPT
