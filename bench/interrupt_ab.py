@@ -6,9 +6,9 @@ Each prompt (bench/prompts.jsonl ids, chat template) runs ``--repeats`` times in
 fresh client each time with the drafter's cache emptied (cold, as a new CLI process), the two arms
 taking turns in alternating order (cut, then not; not, then cut), so that a busy spell of a shared
 machine falls on both. Reported per mode, class and arm: tok/s, target passes per token, the
-passes after a correction and the draftless ones among them, the passes cut. Start the server
-first, pinned to a core of its own, and pin this process to another; let the server answer one
-request before (its first is slower):
+passes after a correction and the draftless ones among them, the workers stopped (their passes
+cut short, in the arm that cuts). Start the server first, pinned to a core of its own, and pin
+this process to another; let the server answer one request before (its first is slower):
 
     taskset -c 1 .venv/bin/specsplit-cloud serve --threads 1 --insecure --port 50061 &
     taskset -c 0 .venv/bin/python -m bench.interrupt_ab --server 127.0.0.1:50061
@@ -62,8 +62,8 @@ class RunOut:
 
 
 def summarise(records: list[dict]) -> list[tuple]:
-    """(mode, class, arm, n, tok/s, passes/token, after a correction, draftless, cut) per group,
-    sums over its generations."""
+    """(mode, class, arm, n, tok/s, passes/token, after a correction, draftless, workers stopped)
+    per group, sums over its generations."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["mode"], r["class"], r["arm"])].append(r)
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             out.close()
     print(
         "| mode | class | arm | n | tok/s | passes/token | passes after a correction "
-        "| draftless | passes cut |"
+        "| draftless | workers stopped |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, cls, arm, n, tps, ppt, after, draftless, cuts in summarise(records):

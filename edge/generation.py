@@ -134,7 +134,8 @@ class GenerationStats:
     corrections_branched: int = 0
     branch_passes: int = 0
     branches_sent: int = 0
-    # cloud-led draft passes cut short because a Verdict rejected the token they continued
+    # cloud-led draft workers stopped because a Verdict rejected the token they continued (their
+    # pass cut short where the drafter can: OnnxDrafter.interrupt)
     interrupted: int = 0
     # per session mode the rounds ran in ("lock-step", "cloud-led"): [target passes, tokens
     # committed, ms Verdict to Verdict] (edge.mode_switch.Yield: what each mode yielded)
