@@ -65,38 +65,76 @@ async def generate(address: str, drafter, ids: list[int], mode: str, max_new_tok
     }
 
 
+def groups(records: list[dict]) -> list[tuple[tuple, list[dict], int, float]]:
+    """((mode, class, arm), its generations, their new tokens, their tok/s) per group, sorted:
+    sums over a group's generations, not means of their ratios."""
+    grouped: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        grouped[(r["mode"], r["class"], r["arm"])].append(r)
+    out = []
+    for key, rr in sorted(grouped.items()):
+        tokens = sum(r["new_tokens"] for r in rr)
+        out.append((key, rr, tokens, tokens / sum(r["wall_s"] for r in rr)))
+    return out
+
+
 def summarise(records: list[dict]) -> list[tuple]:
     """(mode, class, draft, n, tok/s, passes/token, edge CPU ms/token, forwards/token) per
     group, over all its generations (sums, not means of ratios)."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["mode"], r["class"], r["draft"])].append(r)
-    rows = []
-    for (mode, cls, draft), rr in sorted(groups.items()):
-        tokens = sum(r["new_tokens"] for r in rr)
-        rows.append(
-            (
-                mode,
-                cls,
-                draft,
-                len(rr),
-                tokens / sum(r["wall_s"] for r in rr),
-                sum(r["passes"] for r in rr) / tokens,
-                sum(r["cpu_s"] for r in rr) * 1e3 / tokens,
-                sum(r["forwards"] for r in rr) / tokens,
-            )
+    return [
+        (
+            *key,
+            len(rr),
+            tps,
+            sum(r["passes"] for r in rr) / tokens,
+            sum(r["cpu_s"] for r in rr) * 1e3 / tokens,
+            sum(r["forwards"] for r in rr) / tokens,
         )
-    return rows
+        for key, rr, tokens, tps in groups(records)
+    ]
 
 
 def differing(records: list[dict]) -> tuple[int, int]:
-    """(generations whose greedy tokens differ from the other draft's, pairs compared): both
-    drafts' splits must give the target's own output, token for token."""
+    """(generations whose greedy tokens differ from the other arm's, pairs compared): both
+    arms' splits must give the target's own output, token for token."""
     pairs: dict[tuple, list[list[int]]] = defaultdict(list)
     for r in records:
         pairs[(r["mode"], r["prompt"], r["repeat"])].append(r["token_ids"])
     compared = [ids for ids in pairs.values() if len(ids) == 2]
     return sum(a != b for a, b in compared), len(compared)
+
+
+def prompt_rows(p: argparse.ArgumentParser, wanted: list[str] | None) -> tuple[dict, list[str]]:
+    """bench/prompts.jsonl by id, and the ids asked for (DEFAULT_PROMPTS when none); an unknown
+    id ends the program through ``p`` before any work."""
+    rows = {json.loads(line)["id"]: json.loads(line) for line in PROMPTS.read_text().splitlines()}
+    wanted = wanted or list(DEFAULT_PROMPTS)
+    unknown = [pid for pid in wanted if pid not in rows]
+    if unknown:
+        p.error(f"unknown prompt ids {unknown} (bench/prompts.jsonl)")
+    return rows, wanted
+
+
+def take_turns(ask, arms: dict, codec, rows: dict, wanted, modes, repeats: int, out) -> list[dict]:
+    """Every prompt x mode x repeat once per arm, the arms taking turns in alternating order
+    (A B, then B A) so that a busy spell falls on both: ``ask(drafter, ids, mode)`` gives a
+    generation's record, to which this adds arm, prompt, mode, repeat and class, writes it to
+    ``out`` (jsonl, when not None) and reports its tok/s on stderr."""
+    names, records = list(arms), []
+    for rep in range(repeats):
+        for pid in wanted:
+            ids = codec.chat_prompt(rows[pid]["prompt"])
+            for mode in modes:
+                for name in names if rep % 2 == 0 else names[::-1]:
+                    one = asyncio.run(ask(arms[name], ids, mode))
+                    one.update(arm=name, prompt=pid, mode=mode, repeat=rep)
+                    one["class"] = rows[pid]["class"]
+                    records.append(one)
+                    if out is not None:
+                        out.write(json.dumps(one) + "\n")
+                    tps = one["new_tokens"] / one["wall_s"]
+                    print(f"{mode} {pid} #{rep} {name}: {tps:.2f} tok/s", file=sys.stderr)
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,38 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.max_new_tokens < 1:
         p.error("--repeats and --max-new-tokens must be >= 1")
-    rows = {json.loads(line)["id"]: json.loads(line) for line in PROMPTS.read_text().splitlines()}
-    wanted = args.prompt or list(DEFAULT_PROMPTS)
-    unknown = [pid for pid in wanted if pid not in rows]
-    if unknown:
-        p.error(f"unknown prompt ids {unknown} (bench/prompts.jsonl)")
+    rows, wanted = prompt_rows(p, args.prompt)
 
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
 
     codec = TextCodec(args.drafts[0])
-    drafters = [OnnxDrafter(d, threads=1) for d in args.drafts]
     names = [d.name for d in args.drafts]
     if names[0] == names[1]:
         names = [f"A {names[0]}", f"B {names[1]}"]
-    records = []
+    arms = {name: OnnxDrafter(d, threads=1) for name, d in zip(names, args.drafts, strict=True)}
+
+    async def ask(drafter, ids, mode):
+        return await generate(args.server, drafter, ids, mode, args.max_new_tokens)
+
+    modes = args.mode or ["auto", "cloud-led"]
     out = args.out.open("w") if args.out else None
     try:
-        for rep in range(args.repeats):
-            for pid in wanted:
-                ids = codec.chat_prompt(rows[pid]["prompt"])
-                for mode in args.mode or ["auto", "cloud-led"]:
-                    for i in (0, 1) if rep % 2 == 0 else (1, 0):
-                        one = asyncio.run(
-                            generate(args.server, drafters[i], ids, mode, args.max_new_tokens)
-                        )
-                        one.update(draft=names[i], prompt=pid, mode=mode, repeat=rep)
-                        one["class"] = rows[pid]["class"]
-                        records.append(one)
-                        if out is not None:
-                            out.write(json.dumps(one) + "\n")
-                        tps = one["new_tokens"] / one["wall_s"]
-                        print(f"{mode} {pid} #{rep} {names[i]}: {tps:.2f} tok/s", file=sys.stderr)
+        records = take_turns(ask, arms, codec, rows, wanted, modes, args.repeats, out)
     finally:
         if out is not None:
             out.close()

@@ -17,13 +17,10 @@ this process to another; let the server answer one request before (its first is 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-from bench.draft_ab import DEFAULT_PROMPTS, PROMPTS
+from bench.draft_ab import DEFAULT_PROMPTS, differing, groups, prompt_rows, take_turns
 
 ARMS = ("cut", "run out")
 
@@ -64,26 +61,18 @@ class RunOut:
 def summarise(records: list[dict]) -> list[tuple]:
     """(mode, class, arm, n, tok/s, passes/token, after a correction, draftless, workers stopped)
     per group, sums over its generations."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["mode"], r["class"], r["arm"])].append(r)
-    rows = []
-    for (mode, cls, arm), rr in sorted(groups.items()):
-        tokens = sum(r["new_tokens"] for r in rr)
-        rows.append(
-            (
-                mode,
-                cls,
-                arm,
-                len(rr),
-                tokens / sum(r["wall_s"] for r in rr),
-                sum(r["passes"] for r in rr) / tokens,
-                sum(r["after_correction"] for r in rr),
-                sum(r["draftless"] for r in rr),
-                sum(r["cut"] for r in rr),
-            )
+    return [
+        (
+            *key,
+            len(rr),
+            tps,
+            sum(r["passes"] for r in rr) / tokens,
+            sum(r["after_correction"] for r in rr),
+            sum(r["draftless"] for r in rr),
+            sum(r["cut"] for r in rr),
         )
-    return rows
+        for key, rr, tokens, tps in groups(records)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,13 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.max_new_tokens < 1:
         p.error("--repeats and --max-new-tokens must be >= 1")
-    rows = {json.loads(line)["id"]: json.loads(line) for line in PROMPTS.read_text().splitlines()}
-    wanted = args.prompt or list(DEFAULT_PROMPTS)
-    unknown = [pid for pid in wanted if pid not in rows]
-    if unknown:
-        p.error(f"unknown prompt ids {unknown} (bench/prompts.jsonl)")
+    rows, wanted = prompt_rows(p, args.prompt)
 
-    from bench.draft_ab import differing
     from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.edge.onnx_drafter import OnnxDrafter
     from specsplit.edge.text import TextCodec
@@ -112,25 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     draft = args.draft or ensure_draft_onnx()  # the default draft, as the edge ships it
     codec = TextCodec(draft)
     cut = OnnxDrafter(draft, threads=1)
-    arms = {"cut": cut, "run out": RunOut(cut)}
-    records = []
+    arms = dict(zip(ARMS, (cut, RunOut(cut)), strict=True))
+
+    async def ask(drafter, ids, mode):
+        return await generate(args.server, drafter, ids, mode, args.max_new_tokens)
+
+    modes = args.mode or ["cloud-led", "auto"]
     out = args.out.open("w") if args.out else None
     try:
-        for rep in range(args.repeats):
-            for pid in wanted:
-                ids = codec.chat_prompt(rows[pid]["prompt"])
-                for mode in args.mode or ["cloud-led", "auto"]:
-                    for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
-                        one = asyncio.run(
-                            generate(args.server, arms[arm], ids, mode, args.max_new_tokens)
-                        )
-                        one.update(arm=arm, prompt=pid, mode=mode, repeat=rep, draft=arm)
-                        one["class"] = rows[pid]["class"]
-                        records.append(one)
-                        if out is not None:
-                            out.write(json.dumps(one) + "\n")
-                        tps = one["new_tokens"] / one["wall_s"]
-                        print(f"{mode} {pid} #{rep} {arm}: {tps:.2f} tok/s", file=sys.stderr)
+        records = take_turns(ask, arms, codec, rows, wanted, modes, args.repeats, out)
     finally:
         if out is not None:
             out.close()
