@@ -444,8 +444,7 @@ async def cloud_led_rounds(
                     building is None or prefix != building.sequence
                 ):
                     worker.stop.set()
-                    if (cut := getattr(proposer, "interrupt", None)) is not None:
-                        cut()  # a Proposer's (edge.proposer); some replay or test ones have none
+                    proposer.interrupt()
                     stats.observe_interrupt()
     finally:
         if getter is not None:

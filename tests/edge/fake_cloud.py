@@ -13,6 +13,7 @@ import contextlib
 
 from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.generation import GenerationConfig, GenerationStats
+from specsplit.edge.proposer import Proposer
 from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
@@ -34,7 +35,7 @@ def expected(new_tokens: int) -> list[int]:
     return [target(n) for n in range(len(PROMPT), len(PROMPT) + new_tokens)]
 
 
-class FakeProposer:
+class FakeProposer(Proposer):
     """Drafts ``target`` by position, wrong at every MISS-th one."""
 
     vocab_size = VOCAB

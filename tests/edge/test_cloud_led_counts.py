@@ -35,17 +35,23 @@ class SlowRuleTarget(RuleTarget):
         return await super().step(base_len, tokens, q)
 
 
-def test_passes_after_a_correction_are_counted_and_the_output_is_the_targets():
-    drafter = RuleDrafter(delay_s=0.002, wrong=5)  # wrong after multiples of 5
+def _cloud_led(drafter, new_tokens: int):
+    """A cloud-led generation through the in-process gateway over SlowRuleTarget."""
 
     async def run():
         async with gateway(SlowRuleTarget) as address, SplitClient(address, drafter) as client:
-            cfg = GenerationConfig(max_new_tokens=48, session_mode="cloud-led", follow_hint=False)
+            cfg = GenerationConfig(
+                max_new_tokens=new_tokens, session_mode="cloud-led", follow_hint=False
+            )
             gen = client.generate(PROMPT, cfg)
             await gen.collect()
             return gen
 
-    gen = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_passes_after_a_correction_are_counted_and_the_output_is_the_targets():
+    gen = _cloud_led(RuleDrafter(delay_s=0.002, wrong=5), 48)  # wrong after multiples of 5
     s = gen.stats
     assert gen.token_ids == rule_expected(48)
     assert s.accepted < s.drafted  # corrections happened ...
@@ -154,15 +160,7 @@ def test_a_correction_cuts_short_the_draft_pass_that_continued_the_rejected_toke
     # correction mostly finds it mid-pass on a token after the rejected one; that pass is cut
     # instead of run out, and output is exact.
     drafter = CuttableRuleDrafter(delay_s=0.01, wrong=5)
-
-    async def run():
-        async with gateway(SlowRuleTarget) as address, SplitClient(address, drafter) as client:
-            cfg = GenerationConfig(max_new_tokens=40, session_mode="cloud-led", follow_hint=False)
-            gen = client.generate(PROMPT, cfg)
-            await gen.collect()
-            return gen
-
-    gen = asyncio.run(run())
+    gen = _cloud_led(drafter, 40)
     assert gen.token_ids == rule_expected(40)
     assert gen.stats.accepted < gen.stats.drafted  # corrections happened
     assert drafter.interrupts > 0
