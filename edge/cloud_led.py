@@ -66,6 +66,13 @@ PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
 # gateway CPU a Draft on the 2-core CPU; the target's slower passes beside stale Drafts in the
 # RTT 500-1000 ms bench came while the edge drafted them, not while they arrived).
 PAUSE_STALE = 8
+# Out of reach by its measured acceptance, not by the round trip alone (a perfect draft would
+# still reach), drafting tries again after this many Verdicts (doubled after each try that got
+# no Draft verified), for at most PROBE_VERDICTS: an estimate made from one rejected Draft
+# (reach 2 positions against a lag of 2.2 at RTT 100 ms on the 2-core CPU) must not stop a
+# good draft for the rest of the stream.
+PROBE_AFTER = 8
+PROBE_VERDICTS = 8
 PACE_TOKENS = 4  # tokens whose Verdicts measure the cloud's pace before it replaces Started.step_ms
 SENT_KEPT = 64  # Drafts remembered to read Verdicts against
 # Branch-ahead: the draft's top-token probability under which a position gets a branch
@@ -220,7 +227,12 @@ class _Reach:
     the cloud committed meanwhile and it holds more: where lag reaches past every position
     worth verifying (``out_of_reach``), no Draft can pay: the edge then drafts nothing, and the
     cloud steps as in cloud-only (at RTT 500-1000 ms on the 2-core CPU every Draft came stale,
-    docs/benchmarks-rtt0-500-1000-t0-cloud-only-auto-auto-warm.md)."""
+    docs/benchmarks-rtt0-500-1000-t0-cloud-only-auto-auto-warm.md).
+
+    Out of reach only by what the acceptance measured (the lag is under ``limit``), the edge
+    probes: after PROBE_AFTER Verdicts idle it drafts again, until a Verdict verifies a Draft of
+    its own (which measures acceptance and lag afresh) or PROBE_VERDICTS pass; a probe that got
+    nothing verified doubles the wait before the next."""
 
     MIN_REACH = 0.1
 
@@ -242,6 +254,9 @@ class _Reach:
         self._since: float | None = None  # the first Verdict (s), and tokens committed after it
         self._counted = 0
         self.sent = sent  # tokens sent before the first verdict (a lead block): reach past them
+        self.idle = 0  # Verdicts out of reach since drafting last stopped
+        self.probe_after = PROBE_AFTER
+        self.probing = 0  # Verdicts left in a probe (drafting although out of reach)
 
     def _travel(self) -> float:
         """Tokens the cloud commits in a round trip, by time; 0 while either is unknown."""
@@ -261,6 +276,24 @@ class _Reach:
         if verified:
             self.acceptance.observe(verified, accepted, 0.0)
         self.sent = 0
+        self._probe(verified_ours=offset is not None)
+
+    def _probe(self, verified_ours: bool) -> None:
+        """After a Verdict: starts, ends or counts down a probe (class docstring)."""
+        if self.probing:
+            if verified_ours:
+                self.probing, self.probe_after = 0, PROBE_AFTER
+            else:
+                self.probing -= 1
+                if not self.probing:
+                    self.probe_after *= 2  # nothing verified: longer until the next
+            return
+        if verified_ours or not self._beyond() or self.lag >= self.limit:
+            self.idle = 0
+            return
+        self.idle += 1
+        if self.idle >= self.probe_after:
+            self.idle, self.probing = 0, PROBE_VERDICTS
 
     def _pace(self, at: float, tokens: int) -> None:
         """The cloud's time per committed token from the Verdicts' spacing since the first
@@ -287,6 +320,9 @@ class _Reach:
         return int(np.sum(np.cumprod(alphas[: self.limit]) >= self.MIN_REACH))
 
     def out_of_reach(self) -> bool:
+        return not self.probing and self._beyond()
+
+    def _beyond(self) -> bool:
         return self.lag >= self.reachable()
 
     def first(self, want: int) -> int:

@@ -14,7 +14,7 @@ import pytest
 from bench.proxy import DelayProxy
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.client import GenerationConfig, SplitClient
-from specsplit.edge.cloud_led import _Reach
+from specsplit.edge.cloud_led import PROBE_AFTER, PROBE_VERDICTS, _Reach
 from tests.edge.test_cloud_takes_lead import PROMPT, RuleDrafter, RuleTarget, expected
 from tests.fakes import gateway
 
@@ -132,3 +132,45 @@ def test_a_verified_draft_measures_the_lag_itself():
     for i in range(1, 9):  # the pace no longer moves a measured lag
         reach.observe(None, 0, 0, at=0.5 * i, tokens=1)
     assert reach.lag == 3.0
+
+
+def _rejected_once(rtt_ms: float) -> _Reach:
+    """Started said 45 ms a step; the first Draft verified came 2 tokens after its base and its
+    first token was rejected: from that one measurement the speculation reaches 2 positions,
+    no further than the lag (RTT 100 ms on the 2-core CPU)."""
+    reach = _Reach(8, 16, rtt_ms=rtt_ms, step_ms=45.0)
+    reach.observe(2, 1, 0, at=0.0, tokens=1)
+    return reach
+
+
+def _idle(reach: _Reach, verdicts: int) -> None:
+    for _ in range(verdicts):  # Verdicts that verified no Draft of ours
+        reach.observe(None, 0, 0)
+
+
+def test_out_of_reach_by_measured_acceptance_drafting_probes_again():
+    reach = _rejected_once(100.0)
+    assert reach.reachable() == 2 and reach.out_of_reach()
+    _idle(reach, PROBE_AFTER - 1)
+    assert reach.out_of_reach()
+    _idle(reach, 1)
+    assert not reach.out_of_reach()  # a probe: the edge drafts
+    reach.observe(2, 6, 6, tokens=7)  # its Draft was verified and accepted
+    assert reach.reachable() > reach.lag and not reach.out_of_reach()
+
+
+def test_a_probe_that_gets_nothing_verified_waits_twice_as_long_before_the_next():
+    reach = _rejected_once(100.0)
+    _idle(reach, PROBE_AFTER)
+    _idle(reach, PROBE_VERDICTS)  # its Drafts came stale
+    assert reach.out_of_reach()
+    _idle(reach, 2 * PROBE_AFTER - 1)
+    assert reach.out_of_reach()
+    _idle(reach, 1)
+    assert not reach.out_of_reach()
+
+
+def test_a_round_trip_past_any_drafts_reach_never_probes():
+    reach = _Reach(8, 16, _measured(0.8), rtt_ms=1000.0, step_ms=45.0)  # lag 22 > 16
+    _idle(reach, 20 * PROBE_AFTER)
+    assert reach.out_of_reach()
