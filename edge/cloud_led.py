@@ -66,8 +66,8 @@ PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
 # gateway CPU a Draft on the 2-core CPU; the target's slower passes beside stale Drafts in the
 # RTT 500-1000 ms bench came while the edge drafted them, not while they arrived).
 PAUSE_STALE = 8
-# Out of reach by its measured acceptance, not by the round trip alone (a perfect draft would
-# still reach), drafting tries again after this many Verdicts (doubled after each try that got
+# Out of reach by its measured acceptance, not by the round trip alone (an unmeasured draft
+# would still reach), drafting tries again after this many Verdicts (doubled after each try that got
 # no Draft verified), for at most PROBE_VERDICTS: an estimate made from one rejected Draft
 # (reach 2 positions against a lag of 2.2 at RTT 100 ms on the 2-core CPU) must not stop a
 # good draft for the rest of the stream.
@@ -229,10 +229,11 @@ class _Reach:
     cloud steps as in cloud-only (at RTT 500-1000 ms on the 2-core CPU every Draft came stale,
     docs/benchmarks-rtt0-500-1000-t0-cloud-only-auto-auto-warm.md).
 
-    Out of reach only by what the acceptance measured (the lag is under ``limit``), the edge
-    probes: after PROBE_AFTER Verdicts idle it drafts again, until a Verdict verifies a Draft of
-    its own (which measures acceptance and lag afresh) or PROBE_VERDICTS pass; a probe that got
-    nothing verified doubles the wait before the next."""
+    Out of reach only by what the acceptance measured (the lag is under the max_draft_tokens a
+    speculation reaches before any Draft was verified), the edge probes: after PROBE_AFTER
+    Verdicts idle it drafts again, until a Verdict verifies a Draft of its own (which measures
+    acceptance and lag afresh) or PROBE_VERDICTS pass; a probe that got nothing verified doubles
+    the wait before the next."""
 
     MIN_REACH = 0.1
 
@@ -288,7 +289,8 @@ class _Reach:
                 if not self.probing:
                     self.probe_after *= 2  # nothing verified: longer until the next
             return
-        if verified_ours or not self._beyond() or self.lag >= self.limit:
+        unmeasured_reach = min(self.max_draft_tokens, self.limit)  # reachable() before a Draft
+        if verified_ours or not self._beyond() or self.lag >= unmeasured_reach:
             self.idle = 0
             return
         self.idle += 1

@@ -170,7 +170,11 @@ def test_a_probe_that_gets_nothing_verified_waits_twice_as_long_before_the_next(
     assert not reach.out_of_reach()
 
 
-def test_a_round_trip_past_any_drafts_reach_never_probes():
-    reach = _Reach(8, 16, _measured(0.8), rtt_ms=1000.0, step_ms=45.0)  # lag 22 > 16
+@pytest.mark.parametrize("rtt_ms", [500.0, 1000.0])
+def test_a_round_trip_past_an_unmeasured_drafts_reach_never_probes(rtt_ms):
+    """A lag of 11 or 22 steps: past the max_draft_tokens = 8 positions a speculation reaches
+    before any Draft was verified, so no estimate of acceptance put it out of reach."""
+    reach = _Reach(8, 16, _measured(0.3), rtt_ms=rtt_ms, step_ms=45.0)
+    assert reach.out_of_reach()
     _idle(reach, 20 * PROBE_AFTER)
     assert reach.out_of_reach()
