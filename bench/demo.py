@@ -53,6 +53,20 @@ def split_cores() -> tuple[set[int], set[int]]:
     return set(cores[:half]), set(cores[half:])
 
 
+def pinned_cloud(target_dir, cores: set[int], log_dir: Path, *args: str) -> CloudProcess:
+    """``specsplit-cloud serve`` of ``target_dir`` pinned to ``cores`` with a thread each (not
+    started yet); ``args``: more serve flags."""
+    return CloudProcess(
+        "--target",
+        str(target_dir),
+        "--threads",
+        str(len(cores)),
+        *args,
+        log_dir=log_dir,
+        cpus=cores,
+    )
+
+
 def _status(gen) -> str:
     s = gen.stats
     elapsed = s.token_times_s[-1] if s.token_times_s else 0.0
@@ -164,14 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="specsplit-demo-") as logs:
             with console.status("starting the cloud (Triton + gateway) ..."):
-                cloud = CloudProcess(
-                    "--target",
-                    str(target_dir),
-                    "--threads",
-                    str(len(cloud_cores)),
-                    log_dir=Path(logs),
-                    cpus=cloud_cores,
-                ).start()
+                cloud = pinned_cloud(target_dir, cloud_cores, Path(logs)).start()
             try:
                 console.print(f"cloud ready on {cloud.address} after {time.monotonic() - t0:.0f}s")
                 asyncio.run(demo(args, cloud.address, draft_dir, len(edge_cores)))

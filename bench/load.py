@@ -29,10 +29,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench.demo import interrupt_on_sigterm, split_cores
+from bench.demo import interrupt_on_sigterm, pinned_cloud, split_cores
 from bench.replay import LoggingDrafter, ReplayDrafter
 from bench.stamp import stamp
-from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.shared.sampling import SamplingConfig
 
@@ -252,16 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="specsplit-load-") as logs:
-        cloud = CloudProcess(
-            "--target",
-            str(target_dir),
-            "--threads",
-            str(len(cloud_cores)),
-            "--triton-log-dir",  # its log says which weights the target was served in
-            logs,
-            log_dir=Path(logs),
-            cpus=cloud_cores,
-        )
+        # --triton-log-dir: its log says which weights the target was served in
+        cloud = pinned_cloud(target_dir, cloud_cores, Path(logs), "--triton-log-dir", logs)
         with console.status("starting the cloud ..."):
             cloud.start()
         meta["target_weights"] = served_weights(Path(logs))

@@ -26,8 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.demo import split_cores
-from bench.run import make_plan
+from bench.demo import pinned_cloud, split_cores
+from bench.run import Config, generate, make_plan
+
+CLOUD_ONLY = Config("cloud-only", 0, 0.0, 0.0)
 
 # The neighbour: a process pinned to the edge's core that drafts token after token with the real
 # draft (its KV cache grows; it starts over at ``steps`` tokens), and says "ready" once it drafts.
@@ -66,16 +68,11 @@ def _drafting(draft_dir: Path, core: int, prompt: list[int], steps: int) -> subp
 
 
 async def _cloud_only(address: str, prompts: list[dict], max_new: int) -> tuple[list, float]:
-    """One cloud-only generation per prompt: the server's pass times (ms) and tokens/s."""
-    from specsplit.edge.client import GenerationConfig, SplitClient
-
+    """One cloud-only generation per prompt, as `make bench` runs one: the server's pass times
+    (ms) and tokens/s."""
     passes, tokens, wall = [], 0, 0.0
     for p in prompts:
-        async with SplitClient(address) as client:
-            gen = client.generate(
-                p["prompt_ids"], GenerationConfig(max_new_tokens=max_new), route="cloud-only"
-            )
-            await gen.collect()
+        gen, _ = await generate(address, None, p["prompt_ids"], CLOUD_ONLY, max_new, seed=0)
         passes += gen.stats.verify_ms
         tokens, wall = tokens + gen.stats.new_tokens, wall + gen.stats.wall_s
     return passes, tokens / wall
@@ -140,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.max_new_tokens < 1:
         p.error("--rounds and --max-new-tokens must be >= 1")
 
-    from specsplit.cloud.supervision.process import CloudProcess
     from specsplit.edge.export.ensure import ensure_draft_onnx
     from specsplit.edge.text import TextCodec
     from specsplit.shared.weights.sources import resolve_model
@@ -153,29 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [
         {**p, "prompt_ids": codec.chat_prompt(p["prompt"])} for p in make_plan(False, None).prompts
     ]
-    with tempfile.TemporaryDirectory(prefix="specsplit-neighbour-") as logs:
-        cloud = CloudProcess(
-            "--target",
-            str(target_dir),
-            "--threads",
-            str(len(cloud_cores)),
-            log_dir=Path(logs),
-            cpus=cloud_cores,
+    print(f"starting the cloud on cores {sorted(cloud_cores)} ...", flush=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="specsplit-neighbour-") as logs,
+        pinned_cloud(target_dir, cloud_cores, Path(logs)) as cloud,
+    ):
+        result = measure(
+            cloud.address,
+            draft_dir,
+            min(edge_cores),
+            prompts,
+            args.rounds,
+            args.max_new_tokens,
+            log=lambda s: print(s, flush=True),
         )
-        print(f"starting the cloud on cores {sorted(cloud_cores)} ...", flush=True)
-        cloud.start()
-        try:
-            result = measure(
-                cloud.address,
-                draft_dir,
-                min(edge_cores),
-                prompts,
-                args.rounds,
-                args.max_new_tokens,
-                log=lambda s: print(s, flush=True),
-            )
-        finally:
-            cloud.stop()
     print(table(result))
     if args.out:
         args.out.write_text(json.dumps(result))

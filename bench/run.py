@@ -24,10 +24,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.demo import interrupt_on_sigterm, split_cores
+from bench.demo import interrupt_on_sigterm, pinned_cloud, split_cores
 from bench.proxy import DelayProxy
 from bench.stamp import stamp
-from specsplit.cloud.supervision.process import CloudProcess
 from specsplit.edge.cli import PRECISION_TAGS, _add_precision_arg
 from specsplit.edge.client import GenerationConfig, SplitClient
 from specsplit.edge.link_memory import load_link, save_link
@@ -374,16 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     interrupted = False
     with tempfile.TemporaryDirectory(prefix="specsplit-bench-") as logs:
-        cloud = CloudProcess(
-            "--target",
-            str(target_dir),
-            "--threads",
-            str(len(cloud_cores)),
-            "--dtype",
-            args.target_dtype,
-            log_dir=Path(logs),
-            cpus=cloud_cores,
-        )
+        cloud = pinned_cloud(target_dir, cloud_cores, Path(logs), "--dtype", args.target_dtype)
         with console.status("starting the cloud ..."):
             cloud.start()
         try:
