@@ -281,16 +281,15 @@ class _Reach:
 
     def _probe(self, verified_ours: bool) -> None:
         """After a Verdict: starts, ends or counts down a probe (class docstring)."""
-        if self.probing:
-            if verified_ours:
-                self.probing, self.probe_after = 0, PROBE_AFTER
-            else:
-                self.probing -= 1
-                if not self.probing:
-                    self.probe_after *= 2  # nothing verified: longer until the next
+        if verified_ours:  # measured afresh: a probe, if any, is over
+            self.idle, self.probing, self.probe_after = 0, 0, PROBE_AFTER
             return
-        unmeasured_reach = min(self.max_draft_tokens, self.limit)  # reachable() before a Draft
-        if verified_ours or not self._beyond() or self.lag >= unmeasured_reach:
+        if self.probing:
+            self.probing -= 1
+            if not self.probing:
+                self.probe_after *= 2  # nothing verified: longer until the next
+            return
+        if not self._beyond() or self.lag >= self._unmeasured_reach():
             self.idle = 0
             return
         self.idle += 1
@@ -316,10 +315,13 @@ class _Reach:
         (the prior alone would stop drafting at a few tokens of lag, before a Draft could show
         what it reaches)."""
         if not self.acceptance.tried.any():
-            return min(self.max_draft_tokens, self.limit)
+            return self._unmeasured_reach()
         alphas = self.acceptance.alphas()  # [max_draft_tokens]
         alphas = np.concatenate([alphas, np.full(max(0, self.limit - len(alphas)), alphas[-1])])
         return int(np.sum(np.cumprod(alphas[: self.limit]) >= self.MIN_REACH))
+
+    def _unmeasured_reach(self) -> int:
+        return min(self.max_draft_tokens, self.limit)
 
     def out_of_reach(self) -> bool:
         return not self.probing and self._beyond()
