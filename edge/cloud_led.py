@@ -20,15 +20,16 @@ alive at T > 0.
 Branch-ahead (greedy sessions, ``GenerationConfig.branch_ahead``, off by default): once the
 speculation reaches what the next step verifies (``_Reach.first``), at its earliest position (past
 the lag) where the draft's top token has probability under UNSURE, the edge also drafts the
-continuation after its second choice (``Alternative``, BRANCH_TOKENS in all) and sends it as an
-ordinary full Draft: the speculation up to that position, the second choice, its continuation
-(base_len is committed_len: a Draft based past the cloud's committed_len is refused). If the cloud
-corrects that position to the second choice, its pool already holds a Draft consistent with the
-correction, and the next step verifies it without waiting for the edge to hear of it. The
-speculation is then sent again in full, so that it is the freshest Draft while it is consistent (the
-cloud takes the freshest) and its next token continues it (Draft.continues extends the last Draft
-received). Where the correction was the branch, the speculation restarts from the branch's tokens
-instead of drafting them again. At T > 0 no branch: a draft token must be drawn from the q sent with
+continuation after its second choice (``Alternative``, BRANCH_TOKENS in all) and sends it as a
+full Draft marked Draft.branch: the speculation up to that position, the second choice, its
+continuation (base_len is committed_len: a Draft based past the cloud's committed_len is refused).
+If the cloud corrects that position to the second choice, its pool already holds a Draft consistent
+with the correction, and the next step verifies it without waiting for the edge to hear of it. The
+cloud verifies a branch only where no other Draft is consistent, so a step that comes between the
+branch and the speculation's next Draft still verifies the speculation. The speculation is then
+sent again in full, so that its next token continues it (Draft.continues never extends a branch).
+Where the correction was the branch, the speculation restarts from the branch's tokens instead of
+drafting them again. At T > 0 no branch: a draft token must be drawn from the q sent with
 it, and a second choice is no draw.
 Drafting stops where no Draft can be verified: while the tokens the cloud commits during a round
 trip (measured, or estimated from Start's round trip and the cloud's pace) are more than the
@@ -592,7 +593,8 @@ class _Drafts:
         committed = len(self.committed)
         tokens = branch.sequence[committed:]
         branch.round = self._next_round(committed, tokens)
-        return await self._deliver(pb.Draft(round=branch.round, base_len=committed, tokens=tokens))
+        draft = pb.Draft(round=branch.round, base_len=committed, tokens=tokens, branch=True)
+        return await self._deliver(draft)
 
     def _next_round(self, committed_len: int, tokens: list[int]) -> int:
         """A new Draft's round, remembered with what it holds from ``committed_len`` (the last

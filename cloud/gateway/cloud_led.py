@@ -93,10 +93,11 @@ class DraftPool:
 
     def add(self, draft: PendingDraft, continues: bool = False, committed_len: int = 0) -> None:
         """A new Draft; a continuation (Draft.continues) extends the previous Draft instead,
-        while that one is still held and ends where the continuation starts."""
+        while that one is still held, ends where the continuation starts and is no branch."""
         if continues:
             parent = self.last
-            if parent is not None and parent.end == draft.base_len and parent in self.drafts:
+            extends = parent is not None and not parent.branch and parent.end == draft.base_len
+            if extends and parent in self.drafts:
                 parent.tokens += draft.tokens
                 if parent.q is not None and draft.q is not None:
                     parent.q += draft.q
@@ -114,25 +115,30 @@ class DraftPool:
     def _drop(self, draft: PendingDraft) -> None:
         self.dropped += not draft.used
 
+    def _best(self, consistent: list[PendingDraft]) -> PendingDraft | None:
+        """The freshest of ``consistent`` (oldest first) not a branch (Draft.branch), else
+        the freshest branch: a branch is the edge's second choice, sent just before its
+        speculation again, and must not win by arriving between the two."""
+        main = [d for d in consistent if not d.branch]
+        return (main or consistent or [None])[-1]
+
     def ahead(self, committed: list[int]) -> int:
-        """Tokens the freshest Draft held here consistent with ``committed`` has to verify
-        after it (0: none)."""
-        for draft in reversed(self.drafts):
-            if (off := draft.offset(committed)) is not None:
-                return len(draft.tokens) - off
-        return 0
+        """Tokens the Draft held here that a step at ``committed`` would verify has after it
+        (0: none)."""
+        best = self._best([d for d in self.drafts if d.offset(committed) is not None])
+        return 0 if best is None else len(best.tokens) - best.offset(committed)
 
     def take(self, committed: list[int], limit: int) -> tuple[PendingDraft | None, list, list]:
-        """The freshest consistent Draft and its next ``limit`` tokens (and q) after
-        committed_len; stale Drafts leave the pool."""
-        best, keep = None, deque()
-        for draft in self.drafts:  # oldest first: the last consistent one is the freshest
+        """The freshest consistent Draft (a branch only where no other is) and its next
+        ``limit`` tokens (and q) after committed_len; stale Drafts leave the pool."""
+        keep = deque()
+        for draft in self.drafts:
             if draft.offset(committed) is None:
                 self._drop(draft)
             else:
                 keep.append(draft)
-                best = draft
         self.drafts = keep
+        best = self._best(list(keep))
         if best is None or limit <= 0:
             return None, [], []
         self.used += not best.used
@@ -276,7 +282,7 @@ async def cloud_led_rounds(
                         Code.INVALID_ARGUMENT, "Draft.lead is only valid in a lock-step session"
                     )
                 q = step.check(d, exact_base=False)
-                draft = PendingDraft(d.round, d.base_len, list(d.tokens), q)
+                draft = PendingDraft(d.round, d.base_len, list(d.tokens), q, branch=d.branch)
                 pool.add(draft, d.continues, session.committed_len)
                 due.observe(pool, session.committed, clock())
             else:

@@ -34,6 +34,7 @@ class PendingDraft:
     tokens: list[int]
     q: list[SparseDist] | None
     used: bool = False
+    branch: bool = False  # Draft.branch: verified only where no other Draft is consistent
 
     @property
     def end(self) -> int:

@@ -50,6 +50,7 @@ class Round:
             len(draft.q),
             exact_base=exact_base,
             continues=draft.continues,
+            branch=draft.branch,
         )
         return (
             self._parse_q(draft)

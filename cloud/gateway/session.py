@@ -105,16 +105,23 @@ class GatewaySession:
         n_q: int,
         exact_base: bool = True,
         continues: bool = False,
+        branch: bool = False,
     ) -> None:
         """Validates a Draft against the session; raises ProtocolError. ``exact_base`` False
         (cloud-led): any base_len up to committed_len (an older Draft is stale, not wrong), and
         past it for a continuation of the previous Draft (``continues``), within the block
-        limit of committed_len."""
+        limit of committed_len. A ``branch`` (Draft.branch) is cloud-led only, and whole."""
         if self.finish is not Finish.NONE:
             raise ProtocolError(Code.FAILED_PRECONDITION, "generation already finished")
-        if continues and exact_base:
+        for flag, name in ((continues, "continues"), (branch, "branch")):
+            if flag and exact_base:
+                raise ProtocolError(
+                    Code.INVALID_ARGUMENT, f"Draft.{name} is only valid in a cloud_led session"
+                )
+        if continues and branch:
             raise ProtocolError(
-                Code.INVALID_ARGUMENT, "Draft.continues is only valid in a cloud_led session"
+                Code.INVALID_ARGUMENT,
+                "Draft.branch with Draft.continues: a branch is sent whole, from base_len",
             )
         reach = self.committed_len + self.limits.max_draft_tokens
         if continues and base_len + len(tokens) > reach:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from specsplit.cloud.gateway.cloud_led import DraftPool, PendingDraft
 from specsplit.edge.cloud_led import cloud_led_rounds
 from specsplit.edge.drafting import Alternative, DraftRule
 from specsplit.shared.coupling import SharedNoise
@@ -41,29 +42,26 @@ class UnsureProposer(FakeProposer):
 
 
 class PoolCloud(FakeCloudStream):
-    """A cloud-led far end that holds every Draft and verifies the freshest one consistent
-    with the committed prefix (cloud.gateway.cloud_led.DraftPool.take), not only the last, a
-    step every STEP_S (the fake proposer drafts in microseconds: the speculation reaches its
-    length, and the edge has time to branch, between two steps). Its Verdicts reach the edge
-    a step late: the step after a correction runs before the edge has heard of it, as on a
-    link whose round trip is a step long."""
+    """A cloud-led far end that holds every Draft in the gateway's pool and verifies what it
+    lends (cloud.gateway.cloud_led.DraftPool.take: the freshest consistent Draft, a branch only
+    where no other is), not only the last, a step every STEP_S (the fake proposer drafts in
+    microseconds: the speculation reaches its length, and the edge has time to branch, between
+    two steps). Its Verdicts reach the edge a step late: the step after a correction runs before
+    the edge has heard of it, as on a link whose round trip is a step long."""
 
     STEP_S = 0.01
 
     def __init__(self, new_tokens: int, branch_ahead: bool = True) -> None:
         super().__init__(new_tokens, SessionMode.CLOUD_LED)
         self.cfg = dataclasses.replace(self.cfg, branch_ahead=branch_ahead)
-        self.held: list[tuple[int, int, list[int]]] = []  # round, base_len, tokens
+        self.held = DraftPool()
         self.late: list = []  # Verdicts not delivered yet
 
     async def send(self, msg) -> None:
         await super().send(msg)
         d = msg.draft
-        if d.continues:
-            round_no, base, tokens = self.held[-1]
-            self.held[-1] = (d.round, base, tokens + list(d.tokens))
-        else:
-            self.held.append((d.round, d.base_len, list(d.tokens)))
+        draft = PendingDraft(d.round, d.base_len, list(d.tokens), None, branch=d.branch)
+        self.held.add(draft, d.continues, self.committed_len)
 
     async def recv(self, kind: str):
         while not self.late or (len(self.late) < 2 and not self.late[-1].finished):
@@ -72,13 +70,10 @@ class PoolCloud(FakeCloudStream):
         return self.late.pop(0)
 
     def _step(self, led: bool = False):
-        c = self.committed_len
-        for round_no, base, held in reversed(self.held):
-            if base <= c < base + len(held) and all(
-                held[i - base] == target(i) for i in range(base, c)
-            ):
-                return self._verdict(round_no, held[c - base :][: self.limit])
-        return self._verdict(0, [])
+        # positions before the first Draft's base_len (the prompt) are never compared
+        committed = [target(i) for i in range(self.committed_len)]
+        draft, tokens, _ = self.held.take(committed, self.limit)
+        return self._verdict(0, []) if draft is None else self._verdict(draft.round, tokens)
 
 
 def _run(stream: FakeCloudStream, rule: DraftRule = GREEDY) -> list[int]:
@@ -116,8 +111,9 @@ def test_an_unsure_position_yields_a_branch_draft_with_the_second_choice():
     branches = _branches(stream)
     assert branches and stream.stats.branches_sent == len(branches)
     for d in branches:  # a full Draft from the committed prefix, the second choice inside it
-        assert not d.continues
+        assert d.branch and not d.continues
         assert len(d.tokens) <= stream.limit
+    assert not any(d.branch for d in stream.drafts if d not in branches)
 
 
 def test_a_correction_to_the_second_choice_makes_the_next_pass_verify_the_branch():

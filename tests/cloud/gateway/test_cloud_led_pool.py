@@ -74,3 +74,22 @@ def test_a_continuation_must_start_where_the_previous_draft_ended():
     pool = _pool((5, [6, 7]))
     pool.add(PendingDraft(2, 8, [9], None), continues=True, committed_len=5)  # a gap at 7
     assert [d.round for d in pool.drafts] == [1] and pool.dropped == 1
+
+
+def test_a_branch_is_taken_only_where_no_other_draft_is_consistent():
+    pool = _pool((5, [6, 7, 8]))
+    # the edge's branch (its second choice 9 at position 6), fresher than its speculation
+    pool.add(PendingDraft(2, 5, [6, 9, 10], None, branch=True))
+    assert pool.ahead(COMMITTED) == 3
+    draft, tokens, _ = pool.take(COMMITTED, limit=8)
+    assert draft.round == 1 and tokens == [6, 7, 8]
+    # the cloud corrected position 6 to 9: the speculation is stale, the branch verified
+    draft, tokens, _ = pool.take([*COMMITTED, 6, 9], limit=8)
+    assert draft.round == 2 and tokens == [10] and pool.ahead([*COMMITTED, 6, 9]) == 1
+
+
+def test_a_continuation_never_extends_a_branch():
+    pool = _pool((5, [6, 7]))
+    pool.add(PendingDraft(2, 5, [6, 9], None, branch=True))
+    pool.add(PendingDraft(3, 7, [8], None), continues=True, committed_len=5)  # past: unknown
+    assert [d.round for d in pool.drafts] == [1, 2] and pool.dropped == 1

@@ -86,3 +86,14 @@ def test_continued_drafts_are_checked_against_the_block_limit():
     with pytest.raises(ProtocolError, match="only valid in a cloud_led") as e:
         s.check_draft(3, [1], 0, continues=True)  # lock-step
     assert e.value.code is Code.INVALID_ARGUMENT
+
+
+def test_a_branch_is_cloud_led_only_and_sent_whole():
+    s = session()  # committed_len 3
+    s.check_draft(3, [1, 2], 0, exact_base=False, branch=True)
+    with pytest.raises(ProtocolError, match="Draft.branch is only valid in a cloud_led") as e:
+        s.check_draft(3, [1], 0, branch=True)  # lock-step
+    assert e.value.code is Code.INVALID_ARGUMENT
+    with pytest.raises(ProtocolError, match="a branch is sent whole") as e:
+        s.check_draft(3, [1], 0, exact_base=False, continues=True, branch=True)
+    assert e.value.code is Code.INVALID_ARGUMENT
