@@ -16,8 +16,12 @@ CHANNEL_OPTIONS = (
     # A restarted gateway is found within a second or two, not after grpc's default reconnect
     # backoff (which grows to two minutes): the retry window (edge/retry.py) is what bounds it.
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # gRPC core reads this as the least time a connection attempt gets (its MIN_CONNECT_TIMEOUT,
+    # doc/connection-backoff.md), not only as a backoff. Set to 250 ms, an HTTP/2 handshake over
+    # a link of RTT >= ~250 ms timed out: UNAVAILABLE, a retry, and at 1 s RTT 3 retries and a
+    # first token after 3.1 s instead of 1.6 s (tests/test_slow_link.py). gRPC's default.
+    ("grpc.min_reconnect_backoff_ms", 20_000),
 )
 
 

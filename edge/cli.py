@@ -18,7 +18,6 @@ from specsplit.edge.client import (
     GenerationConfig,
     SpecsplitError,
     SplitClient,
-    check_token_transport,
 )
 from specsplit.edge.export.ensure import ensure_draft_onnx
 from specsplit.edge.gguf_tokenizer import gguf_tokenizer
@@ -142,46 +141,44 @@ def _no_cloud(server: str, waited_s: float) -> str:
 # grpc.health.v1.Health/Check with an empty HealthCheckRequest (the whole server), as bytes: the
 # edge extra has no grpc_health package, and the gateway answers it without a token.
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+HEALTH_TIMEOUT_S = 10.0
 
 
-async def _wait_for_cloud(args) -> None:
+async def _wait_for_cloud(args, channel: grpc.aio.Channel) -> None:
     """An edge started before its cloud says at once what it waits for, then waits up to
     --retry-window for the gateway to answer (``specsplit-cloud serve`` opens its port only once
     the target is loaded), instead of failing later with a bare gRPC error. A TLS mismatch is
-    no outage: it fails at once, with the flags to check (edge.retry.HANDSHAKE_HINT)."""
-    from specsplit.edge.channel import open_channel
+    no outage: it fails at once, with the flags to check (edge.retry.HANDSHAKE_HINT). It asks
+    over the client's own ``channel``, whose connection the generation then finds open: its
+    Start's round trip is the link's, not the link's plus the connection's handshake."""
     from specsplit.edge.retry import HANDSHAKE_HINT, refused_at_handshake
 
-    tls = dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    channel = open_channel(args.server, **tls)
     check = channel.unary_unary(HEALTH_CHECK)  # bytes in, bytes out
     deadline, announced = time.monotonic() + args.retry_window, False
-    try:
-        while True:
-            try:
-                await check(b"", timeout=2.0)
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in (UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return  # something answered: the generation reports what it says
-                if refused_at_handshake(e):
-                    raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waited = args.retry_window
-                raise SpecsplitError(UNAVAILABLE, _no_cloud(args.server, waited)) from None
-            if not announced:
-                announced = True
-                print(
-                    f"specsplit-edge: waiting for `specsplit-cloud serve` at {args.server} (up "
-                    f"to {args.retry_window:g} s, --retry-window): check that serve runs and has "
-                    "printed 'ready', and that --server names its HOST:PORT",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            await asyncio.sleep(min(1.0, left))
-    finally:
-        await channel.close()
+    while True:
+        try:
+            # a new connection's handshake and the call: two round trips, on a slow link seconds
+            await check(b"", timeout=HEALTH_TIMEOUT_S)
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return  # something answered: the generation reports what it says
+            if refused_at_handshake(e):
+                raise SpecsplitError(e.code(), f"{e.details()} ({HANDSHAKE_HINT})") from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            waited = args.retry_window
+            raise SpecsplitError(UNAVAILABLE, _no_cloud(args.server, waited)) from None
+        if not announced:
+            announced = True
+            print(
+                f"specsplit-edge: waiting for `specsplit-cloud serve` at {args.server} (up "
+                f"to {args.retry_window:g} s, --retry-window): check that serve runs and has "
+                "printed 'ready', and that --server names its HOST:PORT",
+                file=sys.stderr,
+                flush=True,
+            )
+        await asyncio.sleep(min(1.0, left))
 
 
 async def _generate(args) -> int:
@@ -196,14 +193,10 @@ async def _generate(args) -> int:
 
         drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
     server = None if args.route == "edge-only" else args.server
-    if server is not None:
-        secure = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
-        check_token_transport(server, args.token, secure, args.insecure)  # before any wait
-        await _wait_for_cloud(args)
     # What the last invocation learnt of this server's link (edge.link_memory): a second
     # invocation starts as the first ended, cloud-led where the link is slow.
     link = None if server is None else load_link(server)
-    async with SplitClient(
+    async with SplitClient(  # checks the token's transport before any wait
         server,
         drafter,
         tls=args.tls,
@@ -214,6 +207,8 @@ async def _generate(args) -> int:
         insecure=args.insecure,
         link=link,
     ) as client:
+        if server is not None:
+            await _wait_for_cloud(args, client.channel)
         gen = client.generate(prompt, config, route=args.route)
         stream = codec.stream() if codec and not args.json else None
         async for chunk in gen:

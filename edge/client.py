@@ -96,12 +96,21 @@ class SplitClient:
         if address:
             tls_files = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             self._channel = open_channel(address, tls=tls, **tls_files)
+            # connects now, not at the first generation: an app that opens its client ahead
+            # (or checks health over ``channel``) starts with the handshake done
+            self._channel.get_state(try_to_connect=True)
         self._stub = pb_grpc.SpeculativeDecodingStub(self._channel) if self._channel else None
         self._reached = False  # a Started came back once: the link and its credentials work
         # (round trip, target step) from the last Started of a server that serves auto: a
         # generation in auto starts cloud-led when it is LEAD_AT_START steps (edge.mode_switch),
         # instead of spending its first round trip to learn it again; every Started renews it.
         self._link: Link | None = link
+
+    @property
+    def channel(self) -> grpc.aio.Channel | None:
+        """The gRPC channel to the gateway (None for edge-only): its connection is the one
+        every generation of this client uses."""
+        return self._channel
 
     @property
     def link(self) -> Link | None:
