@@ -290,7 +290,7 @@ class _Reach:
             if not self.probing:
                 self.probe_after *= 2  # nothing verified: longer until the next
             return
-        if not self._beyond() or self.lag >= self._unmeasured_reach():
+        if not self._beyond() or self.unreachable():
             self.idle = 0
             return
         self.idle += 1
@@ -324,6 +324,11 @@ class _Reach:
     def _unmeasured_reach(self) -> int:
         return min(self.max_draft_tokens, self.limit)
 
+    def unreachable(self) -> bool:
+        """Out of reach whatever the acceptance: the lag is at least what a speculation with
+        nothing measured reaches (no probe then)."""
+        return self.lag >= self._unmeasured_reach()
+
     def out_of_reach(self) -> bool:
         return not self.probing and self._beyond()
 
@@ -341,6 +346,18 @@ class _Reach:
         reach = np.cumprod(self.acceptance.alphas()) >= self.MIN_REACH
         useful = 1 + int(np.argmin(reach)) if not reach.all() else self.max_draft_tokens
         return min(self.limit, round(self.lag) + 2 * min(self.max_draft_tokens, hint, useful))
+
+
+def reaches(plan: SessionPlan, started: pb.Started, rtt_ms: float | None) -> bool:
+    """Whether a cloud-led speculation of ``plan`` can reach the cloud on the link Started
+    measured (Start's round trip ``rtt_ms``, the cloud's step): False where the round trip is
+    more target steps than any speculation holds (``_Reach.unreachable``), so that no Draft of
+    the stream would ever be verified. A plan with a fixed k always drafts."""
+    if not plan.adaptive:
+        return True
+    limit = started.limits.max_draft_tokens
+    k = min(plan.max_draft_tokens, limit)
+    return not _Reach(k, limit, rtt_ms=rtt_ms, step_ms=started.step_ms).unreachable()
 
 
 async def cloud_led_rounds(

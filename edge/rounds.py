@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from specsplit.edge.adaptive import DraftLength
-from specsplit.edge.cloud_led import cloud_led_rounds
+from specsplit.edge.cloud_led import cloud_led_rounds, reaches
 from specsplit.edge.cloud_only import cloud_only_rounds
 from specsplit.edge.drafting import Block, DraftRule
 from specsplit.edge.handover import Handover
@@ -83,7 +83,17 @@ async def run_rounds(
         if plan.mode.drafts and rule is None:
             rule = _rule(stream, proposer, started.seed)
         first = None
-        if early is None or plan.mode is SessionMode.CLOUD_LED:
+        led_next = plan.mode is SessionMode.CLOUD_LED or plan.lead_first
+        if early is not None and led_next and not reaches(plan, started, stream.stats.start_rtt_ms):
+            # No Draft of this stream can reach the cloud in time: the draft's prefill stops
+            # (it would cost the device, and the cloud's core beside it, for nothing)
+            early.stop.set()
+            proposer.interrupt()
+            await early.join()
+            early = None
+            if plan.lead_first:  # lead at once, with no tokens
+                first = (Block([], None), 0.0)
+        if first is not None or early is None or plan.mode is SessionMode.CLOUD_LED:
             pass  # nothing drafted early, or the cloud-led rounds draft on from it
         elif started.lead_after_ms > 0 and not plan.lead_first:
             first, reading, led = await _block_or_lead(stream, early)

@@ -178,3 +178,20 @@ def test_a_round_trip_past_an_unmeasured_drafts_reach_never_probes(rtt_ms):
     assert reach.out_of_reach()
     _idle(reach, 20 * PROBE_AFTER)
     assert reach.out_of_reach()
+
+
+def test_reaches_says_whether_any_speculation_can_reach_the_cloud_at_start():
+    """From Start's round trip and the cloud's step: 12.5 steps of lag is past the 8 positions
+    an unmeasured speculation reaches; 2.5 is not; an unknown round trip, or a fixed k, drafts."""
+    from specsplit.edge.cloud_led import reaches
+    from specsplit.edge.session_plan import SessionPlan
+    from specsplit.shared.protocol import pb
+
+    started = pb.Started(step_ms=40.0)
+    started.limits.max_draft_tokens = 8
+    adaptive = SessionPlan.of(GenerationConfig(max_new_tokens=8, max_draft_tokens=8))
+    fixed = SessionPlan.of(GenerationConfig(max_new_tokens=8, max_draft_tokens=8, adaptive=False))
+    assert not reaches(adaptive, started, 500.0)
+    assert reaches(adaptive, started, 100.0)
+    assert reaches(adaptive, started, None)
+    assert reaches(fixed, started, 500.0)

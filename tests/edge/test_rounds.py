@@ -184,11 +184,13 @@ class FirstBlockBlocked(FakeProposer):
 
     def __init__(self) -> None:
         self.blocked = False
+        self.released = False  # its worker was told to stop, and it stopped
 
     def propose(self, committed, k, rule, stop=None) -> Block:
         if not self.blocked and stop is not None:
             self.blocked = True
             stop.wait(60)
+            self.released = True
             raise Stopped
         return super().propose(committed, k, rule, stop)
 
@@ -233,3 +235,71 @@ def test_the_first_block_is_short_where_k_adapts(monkeypatch, adaptive, first):
 
     assert sum(asyncio.run(main()), []) == expected(20)
     assert sizes[0] == first
+
+
+class FarCloud(FakeCloudStream):
+    """Start's round trip is 500 ms and the cloud steps every 40 ms: it commits 12.5 tokens
+    while a Draft travels, past the 4 any speculation reaches (edge.cloud_led.reaches).
+    ``prefilling``: whether the proposer's first block still ran when each Verdict was read."""
+
+    proposer: FirstBlockBlocked | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefilling: list[bool] = []
+
+    async def recv(self, kind: str):
+        if self.proposer is not None:
+            self.prefilling.append(self.proposer.blocked and not self.proposer.released)
+        return await super().recv(kind)
+
+    async def started(self) -> pb.Started:
+        started = await super().started()
+        self.stats.observe_started(500.0, 0)
+        started.step_ms = 40.0
+        return started
+
+
+@pytest.mark.parametrize("mode", ["auto", "cloud-led"])
+def test_where_no_draft_can_reach_the_cloud_the_drafts_prefill_stops(mode):
+    """The first block (the draft's prefill) stops at Started instead of running out, and the
+    stream goes on cloud-led with no token of it: an auto session leads with an empty Draft at
+    once. (Later Drafts follow the loop's own reach, from the fake's pace.) Output exact."""
+    n = 12
+    session_mode = SessionMode.CLOUD_LED if mode == "cloud-led" else SessionMode.LOCK_STEP
+    stream = FarCloud(n, session_mode)
+    cfg = GenerationConfig(max_new_tokens=n, max_draft_tokens=4, session_mode=mode)
+    proposer = stream.proposer = FirstBlockBlocked()
+
+    async def main():
+        plan_ = SessionPlan.of(cfg)
+        return [c async for c in dispatcher.run_rounds(stream, proposer, plan_, PROMPT)]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))  # a prefill run out would block 60 s
+    assert [t for c in chunks for t in c] == expected(n)
+    assert proposer.blocked  # the first block began, and was stopped before any Verdict
+    assert stream.prefilling and not any(stream.prefilling)
+    if mode == "auto":
+        first = stream.drafts[0]
+        assert first.lead and not first.tokens and stream.stats.lead_round == 1
+
+
+def test_a_link_within_reach_keeps_the_first_block():
+    """At 100 ms (2.5 steps) a Draft reaches the cloud: the first block is drafted and sent."""
+
+    class NearCloud(FarCloud):
+        async def started(self) -> pb.Started:
+            started = await super().started()
+            self.stats.observe_started(100.0, 0)
+            return started
+
+    n = 12
+    stream = NearCloud(n, SessionMode.CLOUD_LED)
+    cfg = GenerationConfig(max_new_tokens=n, max_draft_tokens=4, session_mode="cloud-led")
+
+    async def main():
+        plan_ = SessionPlan.of(cfg)
+        return [c async for c in dispatcher.run_rounds(stream, FakeProposer(), plan_, PROMPT)]
+
+    assert sum(asyncio.run(main()), []) == expected(n)
+    assert stream.drafts and stream.drafts[0].tokens
