@@ -348,16 +348,26 @@ class _Reach:
         return min(self.limit, round(self.lag) + 2 * min(self.max_draft_tokens, hint, useful))
 
 
+def _reach_of(
+    plan: SessionPlan, started: pb.Started, rtt_ms: float | None, handover: Handover | None = None
+) -> _Reach | None:
+    """A stream's reach from its Started (Start's round trip ``rtt_ms``, the cloud's step and
+    block limit) and a lock-step ``handover``'s measurements; None for a fixed k, which drafts
+    whatever the link."""
+    if not plan.adaptive:
+        return None
+    limit = started.limits.max_draft_tokens
+    lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
+    k = min(plan.max_draft_tokens, limit)
+    return _Reach(k, limit, *lead, rtt_ms, started.step_ms)
+
+
 def reaches(plan: SessionPlan, started: pb.Started, rtt_ms: float | None) -> bool:
     """Whether a cloud-led speculation of ``plan`` can reach the cloud on the link Started
-    measured (Start's round trip ``rtt_ms``, the cloud's step): False where the round trip is
-    more target steps than any speculation holds (``_Reach.unreachable``), so that no Draft of
-    the stream would ever be verified. A plan with a fixed k always drafts."""
-    if not plan.adaptive:
-        return True
-    limit = started.limits.max_draft_tokens
-    k = min(plan.max_draft_tokens, limit)
-    return not _Reach(k, limit, rtt_ms=rtt_ms, step_ms=started.step_ms).unreachable()
+    measured: False where the round trip is more target steps than any speculation holds
+    (``_Reach.unreachable``), so that no Draft of the stream would ever be verified."""
+    reach = _reach_of(plan, started, rtt_ms)
+    return reach is None or not reach.unreachable()
 
 
 async def cloud_led_rounds(
@@ -377,11 +387,7 @@ async def cloud_led_rounds(
     it the cloud has not committed otherwise by the time it is done, sent at once."""
     stats = stream.stats
     max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
-    reach = None
-    if plan.adaptive:
-        limit = started.limits.max_draft_tokens
-        lead = (handover.acceptance, len(handover.block.tokens)) if handover else (None, 0)
-        reach = _Reach(max_draft_tokens, limit, *lead, stats.start_rtt_ms, started.step_ms)
+    reach = _reach_of(plan, started, stats.start_rtt_ms, handover)
     verdicts: asyncio.Queue = asyncio.Queue()
     led = handover.led if handover is not None else None
     if led is not None:

@@ -56,7 +56,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from specsplit.cloud.capacity import StepTime, expected_tokens
@@ -115,17 +115,23 @@ class DraftPool:
     def _drop(self, draft: PendingDraft) -> None:
         self.dropped += not draft.used
 
-    def _best(self, consistent: list[PendingDraft]) -> PendingDraft | None:
+    @staticmethod
+    def _best(consistent: Iterable[PendingDraft]) -> PendingDraft | None:
         """The freshest of ``consistent`` (oldest first) not a branch (Draft.branch), else
         the freshest branch: a branch is the edge's second choice, sent just before its
         speculation again, and must not win by arriving between the two."""
-        main = [d for d in consistent if not d.branch]
-        return (main or consistent or [None])[-1]
+        main = branch = None
+        for draft in consistent:
+            if draft.branch:
+                branch = draft
+            else:
+                main = draft
+        return main or branch
 
     def ahead(self, committed: list[int]) -> int:
         """Tokens the Draft held here that a step at ``committed`` would verify has after it
         (0: none)."""
-        best = self._best([d for d in self.drafts if d.offset(committed) is not None])
+        best = self._best(d for d in self.drafts if d.offset(committed) is not None)
         return 0 if best is None else len(best.tokens) - best.offset(committed)
 
     def take(self, committed: list[int], limit: int) -> tuple[PendingDraft | None, list, list]:
@@ -138,7 +144,7 @@ class DraftPool:
             else:
                 keep.append(draft)
         self.drafts = keep
-        best = self._best(list(keep))
+        best = self._best(keep)
         if best is None or limit <= 0:
             return None, [], []
         self.used += not best.used
