@@ -70,7 +70,9 @@ async def run_rounds(
     # cloud-led stream's block is handed on to its rounds (``handed``), which join it: its cloud
     # steps on from the prefill without waiting, and a speculation begun only at Started (a
     # prefill on the edge, then tokens) left its first passes draftless (3-8 on the 2-core CPU).
-    if drafts and (stream.seed is not None or cfg.sampling.greedy):
+    # Not where the link is remembered too long for any Draft to reach the cloud (plan.far):
+    # the prefill waits for Started, which says whether the cloud can be reached after all.
+    if drafts and not plan.far and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
         k_first = _first_k(plan, stream.max_new_tokens)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)

@@ -16,7 +16,7 @@ from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block
 from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.handover import Handover
-from specsplit.edge.mode_switch import LeadChoice
+from specsplit.edge.mode_switch import LeadChoice, Link
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.worker import Stopped
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
@@ -282,6 +282,42 @@ def test_where_no_draft_can_reach_the_cloud_the_drafts_prefill_stops(mode):
     if mode == "auto":
         first = stream.drafts[0]
         assert first.lead and not first.tokens and stream.stats.lead_round == 1
+
+
+def test_a_link_remembered_out_of_reach_drafts_nothing_before_started():
+    """A warm client whose link memory says no Draft reaches the cloud (Link.beyond_reach: a
+    round trip of 500 ms against 40 ms steps) starts cloud-led and runs no draft before Started
+    (the prefill and first block are not even begun); Started agrees, and the stream goes on
+    cloud-led, output exact."""
+    n = 12
+    stream = FarCloud(n, SessionMode.CLOUD_LED)
+    cfg = GenerationConfig(max_new_tokens=n, max_draft_tokens=4)  # auto
+    proposer = stream.proposer = FirstBlockBlocked()
+    plan_ = SessionPlan.of(cfg, link=Link(500.0, 40.0))
+    assert plan_.mode is SessionMode.CLOUD_LED and plan_.far
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, proposer, plan_, PROMPT)]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [t for c in chunks for t in c] == expected(n)
+    assert not proposer.blocked  # the first block never began
+
+
+@pytest.mark.parametrize(
+    ("link", "cfg", "far"),
+    [
+        (Link(500.0, 40.0), GenerationConfig(max_draft_tokens=4), True),
+        (Link(100.0, 40.0), GenerationConfig(max_draft_tokens=4), False),  # 2.5 steps: reaches
+        (Link(500.0, 40.0), GenerationConfig(max_draft_tokens=16), False),  # 16 reach past 12.5
+        (Link(500.0, 0.0), GenerationConfig(max_draft_tokens=4), False),  # no step known
+        (Link(None, 40.0), GenerationConfig(max_draft_tokens=4), False),  # no round trip known
+        (None, GenerationConfig(max_draft_tokens=4), False),  # a cold client
+        (Link(500.0, 40.0), GenerationConfig(max_draft_tokens=4, adaptive=False), False),
+    ],
+)
+def test_a_plan_is_far_only_where_the_remembered_link_rules_out_every_draft(link, cfg, far):
+    assert SessionPlan.of(cfg, link=link).far is far
 
 
 def test_a_link_within_reach_keeps_the_first_block():
