@@ -86,13 +86,15 @@ async def run_rounds(
             rule = _rule(stream, proposer, started.seed)
         first = None
         led_next = plan.mode is SessionMode.CLOUD_LED or plan.lead_first
-        if early is not None and led_next and not reaches(plan, started, stream.stats.start_rtt_ms):
-            # No Draft of this stream can reach the cloud in time: the draft's prefill stops
-            # (it would cost the device, and the cloud's core beside it, for nothing)
-            early.stop.set()
-            proposer.interrupt()
-            await early.join()
-            early = None
+        if drafts and led_next and not reaches(plan, started, stream.stats.start_rtt_ms):
+            # No Draft of this stream can reach the cloud in time: the draft's prefill, begun
+            # or not (no seed yet, or plan.far), does not run (it would cost the device, and the
+            # cloud's core beside it, for nothing)
+            if early is not None:
+                early.stop.set()
+                proposer.interrupt()
+                await early.join()
+                early = None
             if plan.lead_first:  # lead at once, with no tokens
                 first = (Block([], None), 0.0)
         if first is not None or early is None or plan.mode is SessionMode.CLOUD_LED:

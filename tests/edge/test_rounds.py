@@ -6,6 +6,7 @@ and cloud-led rounds from a lock-step loop's Handover, once; no loop runs anothe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import grpc
@@ -20,6 +21,7 @@ from specsplit.edge.mode_switch import LeadChoice, Link
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.worker import Stopped
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
+from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 from tests.edge.fake_cloud import PROMPT, FakeCloudStream, FakeProposer, expected, plan
 
@@ -302,6 +304,37 @@ def test_a_link_remembered_out_of_reach_drafts_nothing_before_started():
     chunks = asyncio.run(asyncio.wait_for(main(), 30))
     assert [t for c in chunks for t in c] == expected(n)
     assert not proposer.blocked  # the first block never began
+
+
+def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_once():
+    """A sampled auto stream with no seed of its own drafts no block before Started (its rule
+    needs Started's seed). Where Started says no Draft can reach the cloud, it leads with an
+    empty Draft at once, as one whose first block was stopped does, instead of drafting a block
+    (the draft's prefill) after Started for a Draft that comes stale. Output exact."""
+
+    class Counting(FakeProposer):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def propose(self, committed, k, rule, stop=None):
+            self.calls += 1
+            return super().propose(committed, k, rule, stop)
+
+    n = 12
+    stream = FarCloud(n, SessionMode.LOCK_STEP)
+    sampled = dataclasses.replace(stream.cfg, sampling=SamplingConfig(temperature=0.7))
+    stream.cfg = sampled
+    proposer = Counting()
+
+    async def main():
+        plan_ = SessionPlan.of(sampled)
+        return [c async for c in dispatcher.run_rounds(stream, proposer, plan_, PROMPT)]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [t for c in chunks for t in c] == expected(n)
+    first = stream.drafts[0]
+    assert first.lead and not first.tokens and stream.stats.lead_round == 1
+    assert proposer.calls == 0
 
 
 @pytest.mark.parametrize(
