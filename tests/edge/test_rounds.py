@@ -337,6 +337,51 @@ def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_on
     assert proposer.calls == 0
 
 
+@pytest.mark.parametrize("runs", [SessionMode.CLOUD_LED, SessionMode.LOCK_STEP])
+def test_a_sampled_stream_with_no_seed_prefills_the_draft_before_started(runs):
+    """A sampled stream whose request sent no seed cannot draft before Started (its rule needs
+    Started's seed), but the draft's prefill needs none: it runs while the cloud prefills, so
+    the drafter holds the prompt when the rounds begin. Begun only at Started, a cloud-led
+    stream's prefill was cut short by every Verdict (each moved the prefix past it) and the
+    stream drafted nothing. Output exact, and a cloud-led stream's drafts verified."""
+    calls: list[int] = []  # the context length of each draft call
+
+    class Recording(FakeProposer):
+        def next_token(self, committed, rule, stop=None):
+            calls.append(len(committed))
+            return super().next_token(committed, rule, stop)
+
+        def propose(self, committed, k, rule, stop=None):
+            calls.append(len(committed))
+            return super().propose(committed, k, rule, stop)
+
+    class SlowStarted(FakeCloudStream):
+        before_started: list[int] | None = None
+
+        async def started(self) -> pb.Started:
+            for _ in range(200):  # the cloud's prefill: the draft's may run meanwhile
+                if calls:
+                    break
+                await asyncio.sleep(0.01)
+            self.before_started = list(calls)
+            return await super().started()
+
+    n = 16
+    stream = SlowStarted(n, runs)
+    stream.cfg = dataclasses.replace(stream.cfg, sampling=SamplingConfig(temperature=0.7))
+    link = Link(None, 0.0, led=True) if runs is SessionMode.CLOUD_LED else None
+    plan_ = SessionPlan.of(stream.cfg, link=link)
+    assert plan_.mode is runs
+
+    async def main():
+        return [c async for c in dispatcher.run_rounds(stream, Recording(), plan_, PROMPT)]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [t for c in chunks for t in c] == expected(n)
+    assert stream.before_started == [len(PROMPT)]  # the prefill, and nothing drafted with it
+    assert stream.stats.drafted > 0
+
+
 @pytest.mark.parametrize(
     ("link", "cfg", "far"),
     [
