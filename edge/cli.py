@@ -523,7 +523,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=SESSION_MODES,
         default=AUTO,
         help="with --route split, how its rounds run: lock-step rounds, "
-        "cloud-led (the cloud never waits for drafts), or auto: lock-step until its "
+        "cloud-led (the cloud never waits for drafts), or auto: cloud-led from the start "
+        "where greedy with nothing remembered of the server's link, else lock-step until its "
         "measurements say cloud-led is faster",
     )
     g.add_argument(

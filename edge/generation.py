@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from specsplit.shared.protocol import pb
 
 
-AUTO = "auto"  # not a session mode but a plan: lock-step, handing over to cloud-led if faster
+AUTO = "auto"  # not a session mode but a plan (edge.session_plan): the mode to start, a switch
 SESSION_MODES = (AUTO, *(m.value for m in SessionMode if m.drafts))  # GenerationConfig's
 
 
@@ -45,8 +45,10 @@ class GenerationConfig:
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
     # waiting and verifies whatever drafts arrived in time (docs/design.md#cloud-led): about as fast
     # as cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
-    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": lock-step with adaptive k, switching
-    # to cloud-led once its measurements say that is faster (edge/mode_switch.py: a round trip
+    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": cloud-led from Start where greedy
+    # with nothing measured on the link or where the link says so (edge/session_plan.py), else
+    # lock-step with adaptive k, switching to cloud-led once its measurements say that is
+    # faster (edge/mode_switch.py: a round trip
     # long next to the cloud's step, or a draft that predicts little); lock-step with a fixed k
     # when a run must repeat exactly: follow_hint False, or a seed with temperature > 0 (a
     # cloud-led or adaptive run's blocks depend on timing; greedy output never does).
@@ -114,8 +116,8 @@ class GenerationStats:
     drafts_sent: int = 0  # cloud-led: Drafts sent
     drafts_dropped: int = 0  # cloud-led: Drafts the cloud dropped as stale (never verified)
     lead_round: int = 0  # auto: the lock-step round whose Draft switched to cloud-led (0: none)
-    # auto: Start asked for cloud-led, as the client's previous Started measured a round trip of
-    # LEAD_AT_START target steps (edge.mode_switch)
+    # auto: Start asked for cloud-led (edge.session_plan: the client's link said so, or a greedy
+    # stream with nothing measured on it)
     led_at_start: bool = False
     cloud_took_lead: bool = False  # auto: the cloud switched to cloud-led itself (Verdict.led)
     # cloud-led: target passes right after a pass that rejected a draft, and of them those that

@@ -1,8 +1,8 @@
 """When a lock-step session should hand over to cloud-led (Draft.lead, docs/design.md#handover).
 
 The two modes waste time in different places, and which wastes less depends on the link, the
-cloud's step time and how well the draft predicts the target, so ``auto`` starts lock-step and
-measures all three:
+cloud's step time and how well the draft predicts the target, so ``auto`` (where it does not
+start cloud-led: edge.session_plan) starts lock-step and measures all three:
 
 - Lock-step idles the target for a round trip, the server's overheads and whatever drafting is
   left on the critical path, once per block: a cycle takes V + I for E tokens (V: the target pass

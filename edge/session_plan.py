@@ -2,7 +2,8 @@
 
 ``SessionPlan.of`` reads the GenerationConfig and, in session mode ``auto``, the link the client's
 previous Started measured (edge.mode_switch: a long round trip starts cloud-led) and what
-cloud-led yielded on it (a cloud-led run that verified few drafts starts lock-step instead).
+cloud-led yielded on it (a cloud-led run that verified few drafts starts lock-step instead); a
+greedy stream with nothing measured on its link starts cloud-led.
 ``settled`` adds what this stream's Started says: the mode the server runs
 (Started.session_mode: what it was asked, or lock-step where cloud-led was asked), whether
 lock-step rounds may still hand over to cloud-led (the server accepts Draft.lead), and whether
@@ -52,7 +53,7 @@ class SessionPlan:
             raise ValueError(f"session_mode must be one of {SESSION_MODES}")
         elif cfg.session_mode != AUTO:
             mode = SessionMode(cfg.session_mode)
-        elif may_lead and link is not None and link.starts_led():
+        elif may_lead and _leads_from_start(cfg, link):
             mode = SessionMode.CLOUD_LED
         else:
             mode = SessionMode.LOCK_STEP
@@ -101,3 +102,16 @@ class SessionPlan:
         if mode is not asked and (asked, mode) != (SessionMode.CLOUD_LED, SessionMode.LOCK_STEP):
             raise SpecsplitError(None, f"asked for session mode {asked}, the server runs {mode}")
         return mode
+
+
+def _leads_from_start(cfg: GenerationConfig, link: Link | None) -> bool:
+    """An auto stream is cloud-led from Start where the remembered link says so
+    (``Link.starts_led``), and a greedy one also where no auto generation has measured either
+    mode on the link yet (a cold client): greedy cloud-led from Start beat lock-step rounds that
+    hand over in every cell measured at RTT 0-200 ms (2-core EPYC, 4 prompts, 48 tokens:
+    docs/design.md#auto). A sampled stream still measures lock-step rounds first: there
+    cloud-led from Start lost on code (1.15x against 1.27x cloud-only at RTT 0)."""
+    if link is not None and link.starts_led():
+        return True
+    unmeasured = link is None or (link.lock_step is None and link.cloud_led is None)
+    return unmeasured and cfg.sampling.greedy

@@ -79,3 +79,17 @@ def cloud(tiny, tmp_path_factory):
     """`specsplit-cloud serve` with the tiny target: real tritonserver + gateway on free ports."""
     with CloudProcess("--target", str(tiny.target), log_dir=tmp_path_factory.mktemp("cloud")) as c:
         yield c
+
+
+@pytest.fixture
+def lock_step_first(monkeypatch):
+    """Auto plans start as they did before a greedy cold client started cloud-led: lock-step
+    unless the remembered link says cloud-led (edge.session_plan._leads_from_start). For tests
+    of the lock-step rounds, the switch and the cloud's lead, which a greedy cold client no
+    longer runs (a sampled one still does)."""
+    from specsplit.edge import session_plan
+
+    def link_says(cfg, link) -> bool:
+        return link is not None and link.starts_led()
+
+    monkeypatch.setattr(session_plan, "_leads_from_start", link_says)

@@ -89,6 +89,7 @@ def test_greedy_cloud_led_equals_target_greedy(cloud, tiny, target_greedy, draft
 
 
 @pytest.mark.parametrize("rtt_ms", [0, 150])
+@pytest.mark.usefixtures("lock_step_first")
 def test_greedy_auto_switching_mid_stream_equals_target_greedy(
     cloud, tiny, target_greedy, lead_at_round_2, rtt_ms
 ):
@@ -106,6 +107,7 @@ def test_greedy_auto_switching_mid_stream_equals_target_greedy(
             assert s.new_tokens == s.accepted + s.rounds
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_auto_leads_with_its_first_draft_when_the_round_trip_is_many_steps(
     cloud, tiny, target_greedy
 ):
@@ -218,6 +220,7 @@ def test_a_draft_sent_as_the_stream_finishes_does_not_break_it(cloud, pause_s):
 
 
 @pytest.mark.parametrize("draft", ["same", "unrelated"])
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
     cloud, tiny, target_greedy, monkeypatch, draft
 ):

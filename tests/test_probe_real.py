@@ -21,6 +21,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 100, 200, 13, 9, 250]]
 N_NEW = 24
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_cold_auto_client_echoes_the_probe_and_the_cloud_leads_losslessly(
     cloud, tiny, monkeypatch
 ):

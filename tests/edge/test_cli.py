@@ -112,8 +112,9 @@ def test_generate_without_draft_uses_the_cached_default_draft(tiny, tmp_path, mo
 
 def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_path, monkeypatch):
     """Each `generate` is a new process: the link the first measured is written to the cache
-    (edge.link_memory) and read by the next, which starts cloud-led where that link says so
-    (here a remembered auto run that led and whose cloud-led passes paid)."""
+    (edge.link_memory) and read by the next, which starts lock-step where that link says so (a
+    remembered auto run that stayed lock-step) and cloud-led where it says so (a remembered auto
+    run that led and whose cloud-led passes paid)."""
     from specsplit.edge.link_memory import load_link, save_link
     from specsplit.edge.mode_switch import Yield
 
@@ -128,7 +129,14 @@ def test_a_second_invocation_starts_as_the_first_left_its_link(cloud, tiny, tmp_
     assert r.returncode == 0, r.stderr
     first = load_link(cloud.address)
     assert first is not None and first.step_ms > 0 and first.rtt_ms is not None
-    assert not json.loads(r.stdout)["led_at_start"]  # cold: nothing remembered
+    # cold and greedy: nothing measured on the link, so cloud-led from Start (edge.session_plan)
+    assert json.loads(r.stdout)["led_at_start"]
+    # as after an auto run that stayed lock-step on a short link: the next starts lock-step
+    stayed = first._replace(rtt_ms=0.0, led=False, lock_step=Yield(2.0, first.step_ms))
+    save_link(cloud.address, stayed)
+    r = edge(*args)
+    assert r.returncode == 0, r.stderr
+    assert not json.loads(r.stdout)["led_at_start"]
     # as after an auto run that led, and whose cloud-led passes paid: 2 tokens a pass at the
     # remembered step's pace, twice cloud-only's (Link.led_pays compares with one token per
     # step_ms; a fixed pass time would not pay where this machine steps the tiny target faster)

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from bench.proxy import DelayProxy
 from specsplit.cloud.gateway.messages import Echoes
@@ -77,6 +78,7 @@ def _run(delay_s: float):
     return asyncio.run(run())
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_late_first_draft_goes_on_cloud_led_from_the_clouds_lead():
     gen = _run(delay_s=0.05)  # the first block: five 50 ms passes, the bound 7.5 ms
     s = gen.stats
@@ -98,6 +100,7 @@ class SlowPrefill(RuleTarget):
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_over_a_long_link_the_edge_echoes_the_probe_and_goes_on_from_the_clouds_lead(
     monkeypatch,
 ):

@@ -110,6 +110,7 @@ def test_no_lead_at_start_without_the_servers_step():
 
 
 @pytest.mark.parametrize("long_link", [True, False])
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
     monkeypatch, long_link
 ):
@@ -157,6 +158,7 @@ def test_a_client_starts_its_next_auto_generation_as_its_last_round_trip_says(
     assert rtt_ms is not None and rtt_ms >= 0 and step_ms == 1.0  # FakeTriton's verify_ms
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_new_client_given_an_old_ones_link_starts_as_that_link_says(monkeypatch):
     """``SplitClient(link=old.link)``: a client opened per request keeps what the last one
     measured, so its first auto generation already starts cloud-led on a slow link."""
@@ -181,6 +183,7 @@ def test_a_new_client_given_an_old_ones_link_starts_as_that_link_says(monkeypatc
 
 
 @pytest.mark.parametrize("switches", [True, False])
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_client_whose_auto_generation_ran_cloud_led_starts_the_next_one_so(monkeypatch, switches):
     """After an auto generation that measured its rounds and handed over to cloud-led, the
     client's next auto generation starts cloud-led (the rounds it would spend measuring again

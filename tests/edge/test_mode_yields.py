@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from specsplit.edge.client import GenerationConfig, SplitClient, _remembered
 from specsplit.edge.generation import GenerationStats
 from specsplit.edge.mode_switch import (
@@ -18,6 +20,7 @@ from specsplit.edge.mode_switch import (
     Yield,
 )
 from specsplit.edge.session_plan import SessionPlan
+from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 from tests.edge.test_mode_switch import K, measured
 from tests.fakes import SlowDrafter, gateway
@@ -53,7 +56,8 @@ def test_a_long_round_trip_starts_cloud_led_whatever_it_yielded():
 
 def test_the_plan_follows_the_clouds_lead_only_where_cloud_led_paid():
     cfg = GenerationConfig(max_new_tokens=16)
-    assert SessionPlan.of(cfg, link=None).follows_lead
+    sampled = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0.7))
+    assert SessionPlan.of(sampled, link=None).follows_lead  # cold: lock-step, cloud-led unmeasured
     poor = LAN._replace(led=False, cloud_led=POOR_LED)
     plan = SessionPlan.of(cfg, link=poor)
     assert plan.mode is SessionMode.LOCK_STEP and plan.led == POOR_LED
@@ -82,6 +86,7 @@ def test_a_generation_remembers_the_modes_it_ran_and_keeps_the_others():
     assert Link(0.5, 50.0).measured(GenerationStats(route="split"), None) == Link(0.5, 50.0)
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_a_cloud_led_run_that_verified_no_draft_is_not_started_again(monkeypatch):
     """FakeTriton accepts no draft: the first auto generation hands over at its first round
     (forced), its cloud-led passes make one token each, and the client's next auto generation

@@ -158,6 +158,7 @@ def test_a_goodbye_lost_after_the_final_verdict_ends_the_generation(monkeypatch)
     assert stream.stats.finish == "EOS"
 
 
+@pytest.mark.usefixtures("lock_step_first")
 def test_the_real_loops_through_the_dispatcher_hand_over_without_losing_a_token(monkeypatch):
     """edge.rounds with the real lock-step and cloud-led loops against an in-memory greedy
     cloud (tests.edge.fake_cloud): one Committed through both, checked by Finished."""
@@ -216,6 +217,7 @@ def test_a_cloud_that_leads_before_the_first_block_is_done_is_followed_at_once()
 
 
 @pytest.mark.parametrize(("adaptive", "first"), [(True, dispatcher.FIRST_BLOCK), (False, 8)])
+@pytest.mark.usefixtures("lock_step_first")
 def test_the_first_block_is_short_where_k_adapts(monkeypatch, adaptive, first):
     """Before any verdict, an adaptive plan's first block holds FIRST_BLOCK drafts, not the
     largest k: it is drafted and verified on the way to the first token (edge/rounds.py); a
@@ -262,6 +264,7 @@ class FarCloud(FakeCloudStream):
         return started
 
 
+@pytest.mark.usefixtures("lock_step_first")
 @pytest.mark.parametrize("mode", ["auto", "cloud-led"])
 def test_where_no_draft_can_reach_the_cloud_the_drafts_prefill_stops(mode):
     """The first block (the draft's prefill) stops at Started instead of running out, and the

@@ -1,13 +1,16 @@
-"""edge.session_plan.SessionPlan.settled: the mode a Started says the server runs."""
+"""edge.session_plan.SessionPlan: the mode an auto stream asks for at Start (``of``), and the
+mode a Started says the server runs (``settled``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from specsplit.edge.generation import GenerationConfig
+from specsplit.edge.mode_switch import Link, Yield
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import SpecsplitError
 from specsplit.shared.protocol import pb
+from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 
 
@@ -35,3 +38,32 @@ def test_a_mode_other_than_the_one_asked_is_an_error():
     started = pb.Started(session_mode=pb.SESSION_MODE_CLOUD_LED)
     with pytest.raises(SpecsplitError, match="asked for session mode"):
         _plan("lock-step").settled(started, None)
+
+
+GREEDY = GenerationConfig()
+SAMPLED = GenerationConfig(sampling=SamplingConfig(temperature=0.7))
+SEEDED = GenerationConfig(sampling=SamplingConfig(temperature=0.7), seed=5)  # must repeat
+STAYED = Link(0.5, 50.0, lock_step=Yield(2.0, 90.0))  # an auto run measured lock-step, stayed
+PAID = Link(0.5, 50.0, led=True, cloud_led=Yield(2.5, 60.0))  # an auto run led, and it paid
+
+
+@pytest.mark.parametrize(
+    ("cfg", "link", "mode"),
+    [
+        (GREEDY, None, SessionMode.CLOUD_LED),  # cold and greedy: cloud-led from Start
+        (GREEDY, Link(0.5, 50.0), SessionMode.CLOUD_LED),  # only the target alone ran: cold
+        (GREEDY, STAYED, SessionMode.LOCK_STEP),  # the link says lock-step
+        (GREEDY, PAID, SessionMode.CLOUD_LED),
+        (SAMPLED, None, SessionMode.LOCK_STEP),  # sampled: lock-step rounds measure first
+        (SAMPLED, PAID, SessionMode.CLOUD_LED),
+        (SEEDED, None, SessionMode.LOCK_STEP),  # a fixed k, no switch
+        (GenerationConfig(adaptive=False), None, SessionMode.LOCK_STEP),
+        (GenerationConfig(session_mode="lock-step"), None, SessionMode.LOCK_STEP),
+    ],
+)
+def test_an_auto_stream_starts_cloud_led_where_greedy_and_nothing_is_measured(cfg, link, mode):
+    """edge.session_plan._leads_from_start: greedy cloud-led from Start beat lock-step rounds
+    that hand over in every cell measured (docs/design.md#auto), so a greedy stream with no
+    auto generation measured on its link starts cloud-led; a sampled one, a run that must
+    repeat, and a link whose auto run stayed lock-step start lock-step."""
+    assert SessionPlan.of(cfg, link=link).mode is mode

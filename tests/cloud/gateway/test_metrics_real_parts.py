@@ -126,6 +126,7 @@ ATTEMPTS = 10  # failed 5 in a row once, with the machine under other load
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("session", SESSION_CONFIGS)
+@pytest.mark.usefixtures("lock_step_first")
 def test_counters_equal_the_clients_stats_on_real_parts(
     metered_cloud, session, sampling, monkeypatch
 ):
