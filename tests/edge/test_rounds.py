@@ -311,9 +311,10 @@ def test_a_link_remembered_out_of_reach_drafts_nothing_before_started():
 
 def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_once():
     """A sampled auto stream with no seed of its own drafts no block before Started (its rule
-    needs Started's seed). Where Started says no Draft can reach the cloud, it leads with an
-    empty Draft at once, as one whose first block was stopped does, instead of drafting a block
-    (the draft's prefill) after Started for a Draft that comes stale. Output exact."""
+    needs Started's seed; only the draft's prefill runs meanwhile). Where Started says no Draft
+    can reach the cloud, it leads with an empty Draft at once, as one whose first block was
+    stopped does, instead of drafting a block after Started for a Draft that comes stale.
+    Output exact."""
 
     class Counting(FakeProposer):
         def __init__(self) -> None:
