@@ -316,7 +316,7 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
         "- Modes: cloud-only (the target alone, streamed); lock-step with a fixed k; lock-step with"
         " adaptive k (edge/adaptive.py); cloud-led with adaptive speculation (the cloud never waits"
         " for drafts, docs/design.md#cloud-led); auto, the default: cloud-led from Start where"
-        " greedy with nothing measured on the link (edge/session_plan.py), else lock-step with"
+        " nothing is measured on the link (edge/session_plan.py), else lock-step with"
         " adaptive k that hands over to cloud-led once its measurements say that is faster"
         " (edge/mode_switch.py);"
         " auto-warm, auto on a new client given the link its cell's auto run just measured"

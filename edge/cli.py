@@ -505,7 +505,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0 is off")
     g.add_argument(
-        "--seed", type=int, help="sampling seed (default: the server picks one; --json reports it)"
+        "--seed",
+        type=int,
+        help="sampling seed (default: a fresh random one per request; --json reports it)",
     )
     g.add_argument(
         "--max-draft-tokens",
@@ -524,8 +526,8 @@ def _parser() -> argparse.ArgumentParser:
         default=AUTO,
         help="with --route split, how its rounds run: lock-step rounds, "
         "cloud-led (the cloud never waits for drafts), or auto: cloud-led from the start "
-        "where greedy with nothing remembered of the server's link, else lock-step until its "
-        "measurements say cloud-led is faster",
+        "where nothing is remembered of the server's link or it says so, else lock-step until "
+        "its measurements say cloud-led is faster",
     )
     g.add_argument(
         "--verification",

@@ -183,11 +183,13 @@ class SplitClient:
         with the committed sequence as prompt (edge/retry.py)."""
         committed = list(prompt)
         backoff = Backoff(cfg.retry_window_s)
+        seed = _own_seed(cfg, route)
         while True:
             remaining = cfg.max_new_tokens - (len(committed) - len(prompt))
             plan = SessionPlan.of(cfg, route == CLOUD_ONLY, self._link)
             # A re-open sends the seed the first Started reported: sampling resumes unchanged.
-            stream = Stream(self._stub, self.metadata, cfg, stats, remaining, stats.seed)
+            seed = seed if stats.seed is None else stats.seed
+            stream = Stream(self._stub, self.metadata, cfg, stats, remaining, seed)
             try:
                 async for chunk in run_rounds(stream, self.proposer, plan, committed):
                     committed += chunk
@@ -213,6 +215,17 @@ class SplitClient:
                 self._reached |= stream.reached
                 self._link = _remembered(stream.link or self._link, plan, stats, self._link)
                 await stream.close()
+
+
+def _own_seed(cfg: GenerationConfig, route: str) -> int | None:
+    """The seed a split request sends when it has none of its own: sampled, the edge picks one
+    (as random as the server's pick: two requests differ, and Started reports it), so that its
+    draft rule holds it before Started and the first block drafts while Start travels and the
+    cloud prefills (edge.rounds), as a greedy one does; left to the server, the draft waited for
+    Started. The plan still treats the request as unseeded (adaptive, free to switch modes)."""
+    if cfg.seed is not None or cfg.sampling.greedy or route == CLOUD_ONLY:
+        return cfg.seed
+    return secrets.randbits(63)
 
 
 def is_loopback(address: str) -> bool:

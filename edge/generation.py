@@ -31,8 +31,9 @@ SESSION_MODES = (AUTO, *(m.value for m in SessionMode if m.drafts))  # Generatio
 class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
-    # None: the server picks a seed per request (edge-only: the edge does) and reports it in
-    # stats.seed; give one to reproduce a run.
+    # None: a fresh random seed per request, reported in stats.seed (a sampled split request's
+    # is the edge's pick, sent in Start: edge.client._own_seed; cloud-only's the server's); give
+    # one to reproduce a run.
     seed: int | None = None
     # The largest k. Each round drafts the k in [0, max_draft_tokens] that maximises expected tokens
     # per second (edge/adaptive.py) unless ``adaptive`` is False (then exactly max_draft_tokens).
@@ -45,8 +46,8 @@ class GenerationConfig:
     # "lock-step": draft, send, wait for the verdict. "cloud-led": the cloud generates without
     # waiting and verifies whatever drafts arrived in time (docs/design.md#cloud-led): about as fast
     # as cloud-only however long the RTT, not always faster (measured 0.97-1.19x cloud-only at
-    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": cloud-led from Start where greedy
-    # with nothing measured on the link or where the link says so (edge/session_plan.py), else
+    # 500-1000 ms: README.md, docs/benchmarks.md). "auto": cloud-led from Start where nothing
+    # is measured on the link yet or where the link says so (edge/session_plan.py), else
     # lock-step with adaptive k, switching to cloud-led once its measurements say that is
     # faster (edge/mode_switch.py: a round trip
     # long next to the cloud's step, or a draft that predicts little); lock-step with a fixed k
@@ -116,8 +117,8 @@ class GenerationStats:
     drafts_sent: int = 0  # cloud-led: Drafts sent
     drafts_dropped: int = 0  # cloud-led: Drafts the cloud dropped as stale (never verified)
     lead_round: int = 0  # auto: the lock-step round whose Draft switched to cloud-led (0: none)
-    # auto: Start asked for cloud-led (edge.session_plan: the client's link said so, or a greedy
-    # stream with nothing measured on it)
+    # auto: Start asked for cloud-led (edge.session_plan: the client's link said so, or nothing
+    # was measured on it)
     led_at_start: bool = False
     cloud_took_lead: bool = False  # auto: the cloud switched to cloud-led itself (Verdict.led)
     # cloud-led: target passes right after a pass that rejected a draft, and of them those that

@@ -38,7 +38,6 @@ from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import SpecsplitError, Stream
 from specsplit.edge.worker import Worker
 from specsplit.shared.protocol import pb
-from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 
 log = logging.getLogger(__name__)
@@ -67,23 +66,16 @@ async def run_rounds(
     fingerprint = proposer.tokenizer_fingerprint if drafts else None
     await stream.start(committed.tokens, plan.mode, fingerprint, plan.follows_lead)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
-    # sampled draft needs the seed first, which Started brings when the request sent none. A
+    # sampled draft needs the seed first (SplitClient sends one: edge.client._own_seed). A
     # cloud-led stream's block is handed on to its rounds (``handed``), which join it: its cloud
     # steps on from the prefill without waiting, and a speculation begun only at Started (a
     # prefill on the edge, then tokens) left its first passes draftless (3-8 on the 2-core CPU).
     # Not where the link is remembered too long for any Draft to reach the cloud (plan.far):
     # the prefill waits for Started, which says whether the cloud can be reached after all.
-    # A sampled stream with no seed yet still runs the draft's prefill meanwhile (``warm``, its
-    # one greedy token thrown away): the prefill needs no seed. Begun only at Started, in the
-    # cloud-led loop, it was cut short by every Verdict (each moved the prefix past it) and
-    # never finished: the stream drafted nothing.
-    warm = None
     if drafts and not plan.far and (stream.seed is not None or cfg.sampling.greedy):
         rule = _rule(stream, proposer, stream.seed)
         k_first = _first_k(plan, stream.max_new_tokens)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
-    elif drafts and not plan.far:
-        warm = Worker(proposer.next_token, committed.tokens, _prefill_rule(proposer))
     reading = led = None  # the first Verdict's read while the block drafts; a lead it read
     handed = False
     try:
@@ -96,14 +88,13 @@ async def run_rounds(
         led_next = plan.mode is SessionMode.CLOUD_LED or plan.lead_first
         if drafts and led_next and not reaches(plan, started, stream.stats.start_rtt_ms):
             # No Draft of this stream can reach the cloud in time: the draft's prefill, begun
-            # or not (no seed yet, or plan.far), does not run (it would cost the device, and the
-            # cloud's core beside it, for nothing)
-            for cut in (early, warm):
-                if cut is not None:
-                    cut.stop.set()
-                    proposer.interrupt()
-                    await cut.join()
-            early = warm = None
+            # or not (plan.far), does not run (it would cost the device, and the cloud's core
+            # beside it, for nothing)
+            if early is not None:
+                early.stop.set()
+                proposer.interrupt()
+                await early.join()
+            early = None
             if plan.lead_first:  # lead at once, with no tokens
                 first = (Block([], None), 0.0)
         if first is not None or early is None or plan.mode is SessionMode.CLOUD_LED:
@@ -112,10 +103,6 @@ async def run_rounds(
             first, reading, led = await _block_or_lead(stream, early)
         else:
             first = await early.result()
-        if warm is not None:  # the prefill is the drafter's cache from here on
-            with contextlib.suppress(Exception):  # a failed prefill: the next pass redoes it
-                await warm.result()
-            warm = None
         if plan.mode is SessionMode.LOCK_STEP and first is None and led is None:
             k_first = _first_k(plan, started.max_new_tokens)
             first = await block_off_loop(proposer, committed.tokens, k_first, rule)
@@ -126,8 +113,6 @@ async def run_rounds(
         # the drafter must be idle before anyone else uses it (a handed block: the rounds')
         if early is not None and not handed:
             await early.join()
-        if warm is not None:
-            await warm.join()
     early_led = early if handed else None
     mode, handover = plan.mode, None
     if led is not None:  # the cloud leads before any Draft: cloud-led from its first Verdict
@@ -194,11 +179,6 @@ async def _block_or_lead(stream: Stream, early: Worker):
     if not v.led:
         raise SpecsplitError(None, "the cloud sent a Verdict before any Draft without Verdict.led")
     return None, None, v
-
-
-def _prefill_rule(proposer: Proposer) -> DraftRule:
-    """A greedy rule for a pass whose token nobody uses: only its prefill counts."""
-    return DraftRule.for_seed(SamplingConfig(), None, proposer.vocab_size)
 
 
 def _rule(stream: Stream, proposer: Proposer, seed: int | None) -> DraftRule:

@@ -3,7 +3,7 @@
 ``SessionPlan.of`` reads the GenerationConfig and, in session mode ``auto``, the link the client's
 previous Started measured (edge.mode_switch: a long round trip starts cloud-led) and what
 cloud-led yielded on it (a cloud-led run that verified few drafts starts lock-step instead); a
-greedy stream with nothing measured on its link starts cloud-led.
+stream with nothing measured on its link starts cloud-led.
 ``settled`` adds what this stream's Started says: the mode the server runs
 (Started.session_mode: what it was asked, or lock-step where cloud-led was asked), whether
 lock-step rounds may still hand over to cloud-led (the server accepts Draft.lead), and whether
@@ -106,12 +106,11 @@ class SessionPlan:
 
 def _leads_from_start(cfg: GenerationConfig, link: Link | None) -> bool:
     """An auto stream is cloud-led from Start where the remembered link says so
-    (``Link.starts_led``), and a greedy one also where no auto generation has measured either
-    mode on the link yet (a cold client): greedy cloud-led from Start beat lock-step rounds that
-    hand over in every cell measured at RTT 0-200 ms (2-core EPYC, 4 prompts, 48 tokens:
-    docs/design.md#auto). A sampled stream still measures lock-step rounds first: there
-    cloud-led from Start lost on code (1.15x against 1.27x cloud-only at RTT 0)."""
+    (``Link.starts_led``), and also where no auto generation has measured either mode on the
+    link yet (a cold client): cloud-led from Start beat lock-step rounds that hand over, greedy
+    in every cell measured at RTT 0-200 ms, sampled (T 0.7, the edge picking the seed so that
+    both draft their first block while Start travels) at RTT 0 and level at 50-100 ms (2-core
+    EPYC, 48 tokens, a new client each run: docs/design.md#auto)."""
     if link is not None and link.starts_led():
         return True
-    unmeasured = link is None or (link.lock_step is None and link.cloud_led is None)
-    return unmeasured and cfg.sampling.greedy
+    return link is None or (link.lock_step is None and link.cloud_led is None)

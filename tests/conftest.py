@@ -83,10 +83,9 @@ def cloud(tiny, tmp_path_factory):
 
 @pytest.fixture
 def lock_step_first(monkeypatch):
-    """Auto plans start as they did before a greedy cold client started cloud-led: lock-step
-    unless the remembered link says cloud-led (edge.session_plan._leads_from_start). For tests
-    of the lock-step rounds, the switch and the cloud's lead, which a greedy cold client no
-    longer runs (a sampled one still does)."""
+    """Auto plans start as they did before a cold client started cloud-led: lock-step unless
+    the remembered link says cloud-led (edge.session_plan._leads_from_start). For tests of the
+    lock-step rounds, the switch and the cloud's lead, which a cold client no longer runs."""
     from specsplit.edge import session_plan
 
     def link_says(cfg, link) -> bool:

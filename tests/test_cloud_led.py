@@ -256,6 +256,7 @@ def test_a_late_first_draft_the_cloud_leads_and_the_output_is_cloud_onlys(
         assert s.new_tokens == s.accepted + s.rounds
 
 
+@pytest.mark.usefixtures("lock_step_first")
 @pytest.mark.parametrize("verification", [VerificationRule.TOKEN_ONLY, VerificationRule.REJECTION])
 def test_a_late_first_draft_the_cloud_leads_when_sampling_too(
     cloud, tiny, monkeypatch, verification

@@ -99,8 +99,8 @@ def test_sampling_same_seed_same_output(cloud, tiny, verification):
 
 @pytest.mark.parametrize("mode", ["split", "cloud-only", "edge-only"])
 def test_sampling_without_seed_differs_and_reports_its_seed(cloud, tiny, mode):
-    """No seed: the server picks one per request (so sampled requests differ) and reports it;
-    sending that seed back reproduces the output."""
+    """No seed: a fresh one per request (the edge's pick on a split route, the server's on
+    cloud-only), so sampled requests differ, reported; sending it back reproduces the output."""
     drafter = OnnxDrafter(tiny.draft_onnx)
     cfg = dict(
         max_new_tokens=N_NEW,

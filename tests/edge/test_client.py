@@ -77,3 +77,41 @@ def test_a_prompt_past_the_drafts_limit_is_refused_before_any_work():
 
     asyncio.run(run())
     assert drafter.calls == 0
+
+
+def test_a_sampled_request_with_no_seed_sends_one_of_the_edges_own(monkeypatch):
+    """edge.client._own_seed: a sampled split request with no seed sends the edge's own pick in
+    Start (its draft rule needs it before Started, so that the first block drafts while the
+    cloud prefills), a different one per request, reported as the seed in force; a greedy or
+    cloud-only request, or one with a seed, leaves the seed as it was (the server picks)."""
+    from specsplit.edge import client as client_module
+    from specsplit.shared.sampling import SamplingConfig
+
+    sent: list[int | None] = []
+
+    class Recording(client_module.Stream):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            sent.append(self.seed)
+
+    monkeypatch.setattr(client_module, "Stream", Recording)
+    sampled = GenerationConfig(max_new_tokens=6, sampling=SamplingConfig(temperature=0.8))
+    asks = [
+        (sampled, "split"),
+        (sampled, "split"),
+        (GenerationConfig(max_new_tokens=6), "split"),
+        (sampled, "cloud-only"),
+        (GenerationConfig(max_new_tokens=6, seed=11, sampling=sampled.sampling), "split"),
+    ]
+
+    async def run():
+        async with gateway() as address, SplitClient(address, SlowDrafter(0.0)) as client:
+            gens = [client.generate([1, 2, 3], cfg, route=route) for cfg, route in asks]
+            for gen in gens:
+                await gen.collect()
+            return [gen.stats.seed for gen in gens]
+
+    in_force = asyncio.run(run())
+    assert sent[0] is not None and sent[1] is not None and sent[0] != sent[1]
+    assert sent[2:] == [None, None, 11]
+    assert in_force[:2] == sent[:2] and in_force[4] == 11

@@ -20,7 +20,6 @@ from specsplit.edge.mode_switch import (
     Yield,
 )
 from specsplit.edge.session_plan import SessionPlan
-from specsplit.shared.sampling import SamplingConfig
 from specsplit.shared.session_mode import SessionMode
 from tests.edge.test_mode_switch import K, measured
 from tests.fakes import SlowDrafter, gateway
@@ -56,8 +55,8 @@ def test_a_long_round_trip_starts_cloud_led_whatever_it_yielded():
 
 def test_the_plan_follows_the_clouds_lead_only_where_cloud_led_paid():
     cfg = GenerationConfig(max_new_tokens=16)
-    sampled = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0.7))
-    assert SessionPlan.of(sampled, link=None).follows_lead  # cold: lock-step, cloud-led unmeasured
+    stayed = LAN._replace(led=False, lock_step=LOCK)  # lock-step measured, cloud-led not
+    assert SessionPlan.of(cfg, link=stayed).follows_lead
     poor = LAN._replace(led=False, cloud_led=POOR_LED)
     plan = SessionPlan.of(cfg, link=poor)
     assert plan.mode is SessionMode.LOCK_STEP and plan.led == POOR_LED

@@ -17,7 +17,7 @@ from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block
 from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.handover import Handover
-from specsplit.edge.mode_switch import LeadChoice, Link
+from specsplit.edge.mode_switch import LeadChoice, Link, Yield
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.worker import Stopped
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
@@ -310,11 +310,11 @@ def test_a_link_remembered_out_of_reach_drafts_nothing_before_started():
 
 
 def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_once():
-    """A sampled auto stream with no seed of its own drafts no block before Started (its rule
-    needs Started's seed; only the draft's prefill runs meanwhile). Where Started says no Draft
-    can reach the cloud, it leads with an empty Draft at once, as one whose first block was
-    stopped does, instead of drafting a block after Started for a Draft that comes stale.
-    Output exact."""
+    """A sampled lock-step stream with no seed yet (run_rounds given a Stream with none:
+    SplitClient always sends one) drafts no block before Started (its rule needs Started's
+    seed). Where Started says no Draft can reach the cloud, it leads with an empty Draft at
+    once, as one whose first block was stopped does, instead of drafting a block after Started
+    for a Draft that comes stale. Output exact."""
 
     class Counting(FakeProposer):
         def __init__(self) -> None:
@@ -331,7 +331,8 @@ def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_on
     proposer = Counting()
 
     async def main():
-        plan_ = SessionPlan.of(sampled)
+        stayed = Link(0.5, 50.0, lock_step=Yield(2.0, 90.0))  # lock-step measured: no lead
+        plan_ = SessionPlan.of(sampled, link=stayed)
         return [c async for c in dispatcher.run_rounds(stream, proposer, plan_, PROMPT)]
 
     chunks = asyncio.run(asyncio.wait_for(main(), 30))
@@ -342,12 +343,11 @@ def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_on
 
 
 @pytest.mark.parametrize("runs", [SessionMode.CLOUD_LED, SessionMode.LOCK_STEP])
-def test_a_sampled_stream_with_no_seed_prefills_the_draft_before_started(runs):
-    """A sampled stream whose request sent no seed cannot draft before Started (its rule needs
-    Started's seed), but the draft's prefill needs none: it runs while the cloud prefills, so
-    the drafter holds the prompt when the rounds begin. Begun only at Started, a cloud-led
-    stream's prefill was cut short by every Verdict (each moved the prefix past it) and the
-    stream drafted nothing. Output exact, and a cloud-led stream's drafts verified."""
+def test_a_sampled_stream_drafts_its_first_block_before_started(runs):
+    """A sampled stream holds its seed before Started (SplitClient picks one where the request
+    has none: edge.client._own_seed), so its first block, the draft's prefill included, drafts
+    while the cloud prefills, as a greedy stream's does, cloud-led or lock-step. Output exact,
+    the block's drafts verified."""
     calls: list[int] = []  # the context length of each draft call
 
     class Recording(FakeProposer):
@@ -363,7 +363,7 @@ def test_a_sampled_stream_with_no_seed_prefills_the_draft_before_started(runs):
         before_started: list[int] | None = None
 
         async def started(self) -> pb.Started:
-            for _ in range(200):  # the cloud's prefill: the draft's may run meanwhile
+            for _ in range(200):  # the cloud's prefill: the draft's block may run meanwhile
                 if calls:
                     break
                 await asyncio.sleep(0.01)
@@ -373,7 +373,8 @@ def test_a_sampled_stream_with_no_seed_prefills_the_draft_before_started(runs):
     n = 16
     stream = SlowStarted(n, runs)
     stream.cfg = dataclasses.replace(stream.cfg, sampling=SamplingConfig(temperature=0.7))
-    link = Link(None, 0.0, led=True) if runs is SessionMode.CLOUD_LED else None
+    stream.seed = 7  # the client's pick, sent in Start
+    link = Link(0.5, 50.0, lock_step=Yield(2.0, 90.0)) if runs is SessionMode.LOCK_STEP else None
     plan_ = SessionPlan.of(stream.cfg, link=link)
     assert plan_.mode is runs
 
@@ -382,7 +383,7 @@ def test_a_sampled_stream_with_no_seed_prefills_the_draft_before_started(runs):
 
     chunks = asyncio.run(asyncio.wait_for(main(), 30))
     assert [t for c in chunks for t in c] == expected(n)
-    assert stream.before_started == [len(PROMPT)]  # the prefill, and nothing drafted with it
+    assert stream.before_started == [len(PROMPT)]  # the first block, from the prompt
     assert stream.stats.drafted > 0
 
 

@@ -54,16 +54,17 @@ PAID = Link(0.5, 50.0, led=True, cloud_led=Yield(2.5, 60.0))  # an auto run led,
         (GREEDY, Link(0.5, 50.0), SessionMode.CLOUD_LED),  # only the target alone ran: cold
         (GREEDY, STAYED, SessionMode.LOCK_STEP),  # the link says lock-step
         (GREEDY, PAID, SessionMode.CLOUD_LED),
-        (SAMPLED, None, SessionMode.LOCK_STEP),  # sampled: lock-step rounds measure first
+        (SAMPLED, None, SessionMode.CLOUD_LED),  # cold and sampled (no seed): cloud-led too
+        (SAMPLED, STAYED, SessionMode.LOCK_STEP),
         (SAMPLED, PAID, SessionMode.CLOUD_LED),
         (SEEDED, None, SessionMode.LOCK_STEP),  # a fixed k, no switch
         (GenerationConfig(adaptive=False), None, SessionMode.LOCK_STEP),
         (GenerationConfig(session_mode="lock-step"), None, SessionMode.LOCK_STEP),
     ],
 )
-def test_an_auto_stream_starts_cloud_led_where_greedy_and_nothing_is_measured(cfg, link, mode):
-    """edge.session_plan._leads_from_start: greedy cloud-led from Start beat lock-step rounds
-    that hand over in every cell measured (docs/design.md#auto), so a greedy stream with no
-    auto generation measured on its link starts cloud-led; a sampled one, a run that must
-    repeat, and a link whose auto run stayed lock-step start lock-step."""
+def test_an_auto_stream_starts_cloud_led_where_nothing_is_measured(cfg, link, mode):
+    """edge.session_plan._leads_from_start: cloud-led from Start beat lock-step rounds that hand
+    over (docs/design.md#auto), so a stream with no auto generation measured on its link starts
+    cloud-led, greedy or sampled; a run that must repeat, and a link whose auto run stayed
+    lock-step, start lock-step."""
     assert SessionPlan.of(cfg, link=link).mode is mode
