@@ -53,7 +53,7 @@ class SessionPlan:
             raise ValueError(f"session_mode must be one of {SESSION_MODES}")
         elif cfg.session_mode != AUTO:
             mode = SessionMode(cfg.session_mode)
-        elif may_lead and _leads_from_start(cfg, link):
+        elif may_lead and _leads_from_start(link):
             mode = SessionMode.CLOUD_LED
         else:
             mode = SessionMode.LOCK_STEP
@@ -104,12 +104,12 @@ class SessionPlan:
         return mode
 
 
-def _leads_from_start(cfg: GenerationConfig, link: Link | None) -> bool:
+def _leads_from_start(link: Link | None) -> bool:
     """An auto stream is cloud-led from Start where the remembered link says so
     (``Link.starts_led``), and also where no auto generation has measured either mode on the
     link yet (a cold client): cloud-led from Start beat lock-step rounds that hand over, greedy
     in every cell measured at RTT 0-200 ms, sampled (T 0.7, the edge picking the seed so that
-    both draft their first block while Start travels) at RTT 0 and level at 50-100 ms (2-core
+    both draft their first block while Start travels) at RTT 0 and 50 ms, level at 100 ms (2-core
     EPYC, 48 tokens, a new client each run: docs/design.md#auto)."""
     if link is not None and link.starts_led():
         return True

@@ -88,7 +88,7 @@ def lock_step_first(monkeypatch):
     lock-step rounds, the switch and the cloud's lead, which a cold client no longer runs."""
     from specsplit.edge import session_plan
 
-    def link_says(cfg, link) -> bool:
+    def link_says(link) -> bool:
         return link is not None and link.starts_led()
 
     monkeypatch.setattr(session_plan, "_leads_from_start", link_says)
