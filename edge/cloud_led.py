@@ -34,8 +34,7 @@ it, and a second choice is no draw.
 Drafting stops where no Draft can be verified: while the tokens the cloud commits during a round
 trip (measured, or estimated from Start's round trip and the cloud's pace) are more than the
 speculation holds positions worth verifying (``_Reach.out_of_reach``). It pauses when it does
-not pay (almost nothing accepted, every Draft dropped as stale, or fewer than PAUSE_YIELD of the
-tokens drafted since drafting last started accepted: ``_pause``); the cloud streams on
+not pay (almost nothing accepted, or every Draft dropped as stale); the cloud streams on
 regardless.
 """
 
@@ -61,14 +60,6 @@ from specsplit.edge.worker import Stopped, Worker
 from specsplit.shared.protocol import pb, sparse_to_pb
 
 PAUSE_BELOW = 0.1  # acceptance under which drafting pauses ...
-# ... and tokens accepted per token drafted (stale and rejected ones included) under which it
-# pauses as well, judged once PAUSE_DRAWN tokens were drafted since drafting last (re)started:
-# a draft step the cloud never verifies costs the device its energy and, where the draft shares
-# the target's machine, slows the target's pass beside it (1.29x on the 2-core EPYC). Measured
-# there (64 tokens, RTT 0-200 ms): 0.21-0.50 where drafting beat cloud-only, 0.02-0.09 where it
-# lost (prose and hard code at RTT 100-200 ms: 116-134 drafted for 8-12 accepted)
-PAUSE_YIELD = 0.12
-PAUSE_DRAWN = 32
 PAUSE_VERDICTS = 32  # ... for this many verdicts, then tries again
 # Drafts the cloud dropped as stale, none verified, after which drafting pauses as well: the
 # round trip is more target steps than the speculation reaches ahead, and every Draft costs the
@@ -412,10 +403,6 @@ async def cloud_led_rounds(
     after_rejection = False  # the previous Verdict corrected a draft
     sent_at: float | None = None  # when the first Draft after the last correction left
     stale_from = 0  # Verdict.drafts_dropped when drafting last (re)started
-    # tokens drafted since then (a handover's lead block, the early block, the speculation's
-    # and branches' tokens)
-    drawn = len(handover.block.tokens) if handover is not None else 0
-    accepted_from = stats.accepted  # stats.accepted then
     remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
     worker: Worker | None = early
@@ -448,7 +435,6 @@ async def cloud_led_rounds(
             if worker is not None and worker is early and worker.future.done():
                 block, _ = await worker.result()
                 worker = early = None
-                drawn += len(block.tokens)
                 since = committed.tokens[len(prefix) :]  # committed while it drafted
                 # Where no Draft can reach the cloud in time, it is not sent (only its prefill
                 # is kept: the drafter's cache)
@@ -461,7 +447,6 @@ async def cloud_led_rounds(
                     worker = None
                     continue
                 worker = None
-                drawn += 1
                 if prefix == [*committed.tokens, *spec.tokens]:  # no verdict moved it meanwhile
                     spec.add(token, q, alt)
                     leaves = time.perf_counter()
@@ -509,11 +494,9 @@ async def cloud_led_rounds(
                 if v.HasField("max_draft_tokens_hint") and plan.follow_hint:
                     hint = v.max_draft_tokens_hint
                     stats.observe_hint(hint)
-                dropped = v.drafts_dropped - stale_from
-                since = (drawn, stats.accepted - accepted_from)
-                before, paused = paused, _pause(stats, paused, dropped, *since)
-                if before and not paused:  # drafting resumes: what it yields counts afresh
-                    stale_from, drawn, accepted_from = v.drafts_dropped, 0, stats.accepted
+                before, paused = paused, _pause(stats, paused, v.drafts_dropped - stale_from)
+                if before and not paused:  # drafting resumes: stale Drafts count afresh
+                    stale_from = v.drafts_dropped
                 yield chunk
                 if v.finished:
                     return
@@ -665,18 +648,14 @@ class _Drafts:
         return chunk, offset
 
 
-def _pause(stats, paused: int, dropped: int, drawn: int = 0, accepted: int = 0) -> int:
+def _pause(stats, paused: int, dropped: int) -> int:
     """Verdicts to go without drafting; ``dropped``: Drafts the cloud dropped as stale since
-    drafting last (re)started, ``drawn`` the tokens drafted since then and ``accepted`` those
-    the cloud accepted."""
+    drafting last (re)started."""
     if paused < 0:  # the stream can no longer take Drafts
         return paused
     if paused:
         return paused - 1
     if stats.drafted >= 4 * PAUSE_VERDICTS and stats.acceptance_rate < PAUSE_BELOW:
-        return PAUSE_VERDICTS
-    if drawn >= PAUSE_DRAWN and accepted < PAUSE_YIELD * drawn:
-        stats.observe_unpaid_pause()
         return PAUSE_VERDICTS
     if stats.drafted == 0 and dropped >= PAUSE_STALE:  # every Draft came too late
         return PAUSE_VERDICTS

@@ -140,9 +140,6 @@ class GenerationStats:
     # cloud-led draft workers stopped because a Verdict rejected the token they continued (their
     # pass cut short where the drafter can: OnnxDrafter.interrupt)
     interrupted: int = 0
-    # cloud-led pauses in drafting because too few of the tokens drafted were accepted
-    # (edge.cloud_led.PAUSE_YIELD)
-    unpaid_pauses: int = 0
     # per session mode the rounds ran in ("lock-step", "cloud-led"): [target passes, tokens
     # committed, ms Verdict to Verdict] (edge.mode_switch.Yield: what each mode yielded)
     mode_passes: dict[str, list[float]] = field(default_factory=dict)
@@ -246,9 +243,6 @@ class GenerationStats:
         correction there had left the edge before the Verdict came."""
         self.corrections += 1
         self.corrections_branched += branched
-
-    def observe_unpaid_pause(self) -> None:
-        self.unpaid_pauses += 1
 
     def observe_interrupt(self) -> None:
         self.interrupted += 1
