@@ -76,6 +76,13 @@ PROBE_AFTER = 8
 PROBE_VERDICTS = 8
 PACE_TOKENS = 4  # tokens whose Verdicts measure the cloud's pace before it replaces Started.step_ms
 SENT_KEPT = 64  # Drafts remembered to read Verdicts against
+# A draw whose prefix a Verdict passed but still holds (the cloud committed past it, nothing
+# rejected) runs on where it forwards at least this many tokens the draft's cache lacks (a
+# prefill, a catch-up after draftless steps): cut short, it would cache none of them, and where
+# such a pass takes longer than the cloud's step every Verdict cut it again. A shorter one is
+# cut (its token is stale) and its tokens go into the next pass, which costs about as much: on
+# the 2-core EPYC the draft forwards 1, 2, 4, 8 and 16 tokens in 18, 26, 30, 48 and 84 ms.
+CATCH_UP = 4
 # Branch-ahead: the draft's top-token probability under which a position gets a branch
 # (measured: docs/design.md#cloud-led), the tokens of a branch (its second choice first), and the
 # branches held at once for positions not committed yet.
@@ -406,7 +413,8 @@ async def cloud_led_rounds(
     remaining = handover.remaining if handover is not None else started.max_new_tokens
     t_prev = time.perf_counter()
     worker: Worker | None = early
-    prefix = list(committed.tokens)  # what the worker drafts after
+    prefix = list(committed.tokens)  # what the worker drafts after ...
+    feeds = 0  # ... and the tokens of it its pass forwards first (uncached)
     getter: asyncio.Future | None = None
     try:
         while True:
@@ -419,15 +427,17 @@ async def cloud_led_rounds(
             # speculation on to ``want`` after them.
             first = want if reach is None else reach.first(want)
             if worker is None and not idle:
+                after: list[int] | None = None
                 if len(spec.tokens) >= first and branches.enabled and len(spec.tokens) > 1:
                     skip = int(reach.lag) if reach else 0
                     if branches.building is None:
                         branches.building = branches.pick(committed, spec, skip)
                     if branches.building is not None:
-                        prefix = branches.building.sequence
-                        worker = Worker(draw, prefix, rule)
-                if worker is None and len(spec.tokens) < want:
-                    prefix = [*committed.tokens, *spec.tokens]
+                        after = branches.building.sequence
+                if after is None and len(spec.tokens) < want:
+                    after = [*committed.tokens, *spec.tokens]
+                if after is not None:
+                    prefix, feeds = after, proposer.feeds(after)  # no worker: the cache is still
                     worker = Worker(draw, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}
@@ -501,11 +511,16 @@ async def cloud_led_rounds(
                 if v.finished:
                     return
             # A token being drafted after what a Verdict just rejected is no use: stop its pass
-            # now rather than after it (~one draft step sooner to draft after the correction).
+            # now rather than after it (~one draft step sooner to draft after the correction);
+            # one the cloud committed past, nothing rejected, runs on where it catches up.
             if worker is not None and worker is not early and not worker.stop.is_set():
                 building = branches.building
-                if prefix != [*committed.tokens, *spec.tokens] and (
-                    building is None or prefix != building.sequence
+                holds = [*committed.tokens, *spec.tokens]
+                catches_up = feeds >= CATCH_UP and holds[: len(prefix)] == prefix
+                if (
+                    prefix != holds
+                    and not catches_up
+                    and (building is None or prefix != building.sequence)
                 ):
                     worker.stop.set()
                     proposer.interrupt()

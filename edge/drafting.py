@@ -146,14 +146,21 @@ def alternative(logits: np.ndarray) -> Alternative:
     return Alternative(alt, float(1.0 / z), float(np.exp(logits[alt] - logits[top]) / z))
 
 
+def cached_prefix(drafter: Drafter, committed: Sequence[int]) -> int:
+    """How much of ``committed`` a pass after it finds in the drafter's cache: their common
+    prefix, short of the last committed token (always fed, for its logits)."""
+    cached = drafter.cached
+    n = 0
+    limit = min(len(cached), len(committed) - 1)
+    while n < limit and cached[n] == committed[n]:
+        n += 1
+    return n
+
+
 def next_logits(drafter: Drafter, committed: Sequence[int]) -> np.ndarray:
     """Rolls the cache back to its common prefix with ``committed``, feeds the rest; returns the
     logits [V] after the last committed token."""
-    cached = drafter.cached
-    n = 0
-    limit = min(len(cached), len(committed) - 1)  # the last token is always fed, for its logits
-    while n < limit and cached[n] == committed[n]:
-        n += 1
+    n = cached_prefix(drafter, committed)
     drafter.truncate(n)
     return drafter.forward(committed[n:])[-1]
 
@@ -162,11 +169,7 @@ def greedy_after(drafter: Drafter, committed: Sequence[int], tokens: Sequence[in
     """The draft's top token after ``committed + tokens[:i]`` for i = 0..len(tokens), from one
     pass over what the cache lacks plus ``tokens`` (a drafter whose ``forward`` takes
     ``all_logits``: edge.onnx_drafter). [len(tokens) + 1] token ids."""
-    cached = drafter.cached
-    n = 0
-    limit = min(len(cached), len(committed) - 1)  # the last token is always fed, for its logits
-    while n < limit and cached[n] == committed[n]:
-        n += 1
+    n = cached_prefix(drafter, committed)
     drafter.truncate(n)
     logits = drafter.forward([*committed[n:], *tokens], all_logits=True)  # [fed, V]
     return np.argmax(logits[len(committed) - n - 1 :], axis=-1)

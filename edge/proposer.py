@@ -27,6 +27,7 @@ from specsplit.edge.drafting import (
     Drafter,
     DraftRule,
     alternative,
+    cached_prefix,
     draft_block,
     draw_next,
     greedy_after,
@@ -79,6 +80,12 @@ class Proposer(Protocol):
         more (its worker's ``stop`` is set already); nothing where the proposer cannot (this
         default)."""
 
+    def feeds(self, committed: Sequence[int]) -> int:
+        """Tokens a draw after ``committed`` forwards before its token: what the draft's cache
+        lacks of it (the ones an interrupted pass would have to forward again); 1 where the
+        proposer keeps no cache (this default)."""
+        return 1
+
 
 class DraftModelProposer(Proposer):
     """Drafts with the draft model itself: edge.drafting over a ``Drafter``."""
@@ -96,6 +103,9 @@ class DraftModelProposer(Proposer):
     def interrupt(self) -> None:
         if (cut := getattr(self.drafter, "interrupt", None)) is not None:
             cut()
+
+    def feeds(self, committed) -> int:
+        return len(committed) - cached_prefix(self.drafter, committed)
 
     def propose(self, committed, k, rule, stop=None) -> Block:
         model = self._model(stop)
@@ -250,6 +260,9 @@ class PromptLookupProposer(Proposer):
 
     def interrupt(self) -> None:
         self.model.interrupt()
+
+    def feeds(self, committed) -> int:
+        return self.model.feeds(committed)
 
 
 MAX_NGRAM = 4  # the longest suffix looked up (longer matches predict better) ...
