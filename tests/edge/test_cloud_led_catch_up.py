@@ -67,7 +67,7 @@ class CatchingUpDrafter:
 
 
 def _run(new_tokens: int) -> tuple[list[int], FakeCloudStream, CatchingUpDrafter]:
-    stream, seq, drafter = FakeCloudStream(new_tokens, SessionMode.CLOUD_LED), committed(), None
+    stream, seq = FakeCloudStream(new_tokens, SessionMode.CLOUD_LED), committed()
     drafter = CatchingUpDrafter()
     rounds = cloud_led_rounds(
         stream,
@@ -82,6 +82,16 @@ def _run(new_tokens: int) -> tuple[list[int], FakeCloudStream, CatchingUpDrafter
         return [c async for c in rounds]
 
     return sum(asyncio.run(run()), []), stream, drafter
+
+
+def test_feeds_counts_what_the_drafts_cache_lacks():
+    drafter = CatchingUpDrafter()
+    proposer = DraftModelProposer(drafter)
+    assert proposer.feeds([1, 2, 3, 4, 5]) == 5  # nothing cached
+    drafter.forward([1, 2, 3])
+    assert proposer.feeds([1, 2, 3, 4, 5]) == 2
+    assert proposer.feeds([1, 2, 3]) == 1  # the last token is always fed, for its logits
+    assert proposer.feeds([1, 9, 3, 4]) == 3  # past where the cache diverges
 
 
 def test_a_prefill_longer_than_the_clouds_step_runs_on_and_the_edge_drafts():
