@@ -437,7 +437,8 @@ async def cloud_led_rounds(
                 if after is None and len(spec.tokens) < want:
                     after = [*committed.tokens, *spec.tokens]
                 if after is not None:
-                    prefix, feeds = after, proposer.feeds(after)  # no worker: the cache is still
+                    # read while no worker runs, so the draft's cache holds still
+                    prefix, feeds = after, proposer.feeds(after)
                     worker = Worker(draw, prefix, rule)
             getter = getter or asyncio.ensure_future(verdicts.get())
             waits = {getter} if worker is None else {getter, worker.future}

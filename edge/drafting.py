@@ -150,9 +150,11 @@ def cached_prefix(drafter: Drafter, committed: Sequence[int]) -> int:
     """How much of ``committed`` a pass after it finds in the drafter's cache: their common
     prefix, short of the last committed token (always fed, for its logits)."""
     cached = drafter.cached
-    n = 0
     limit = min(len(cached), len(committed) - 1)
-    while n < limit and cached[n] == committed[n]:
+    if cached[:limit] == list(committed[:limit]):  # the usual case, compared at C speed
+        return limit
+    n = 0
+    while cached[n] == committed[n]:  # a mismatch lies before limit
         n += 1
     return n
 
