@@ -134,6 +134,9 @@ def test_draftless_passes_after_a_correction_say_whether_the_edge_had_sent_a_dra
         assert stream.none_came < s.passes_after_rejection  # most corrections got a Draft
 
 
+TRIES = 4  # generations a timing-dependent precondition gets to occur in
+
+
 class CuttableRuleDrafter(RuleDrafter):
     """A RuleDrafter whose passes take ``delay_s`` unless ``interrupt()`` cuts them short (as
     OnnxDrafter's do): then the pass raises Interrupted and caches nothing."""
@@ -159,9 +162,15 @@ def test_a_correction_cuts_short_the_draft_pass_that_continued_the_rejected_toke
     # Passes of 10 ms against 20 ms target steps: the edge drafts ahead without pause, so a
     # correction mostly finds it mid-pass on a token after the rejected one; that pass is cut
     # instead of run out, and output is exact.
-    drafter = CuttableRuleDrafter(delay_s=0.01, wrong=5)
-    gen = _cloud_led(drafter, 40)
-    assert gen.token_ids == rule_expected(40)
+    # Whether a wrong guess reaches the cloud before the cloud steps past it is timing: most
+    # runs see 1-4 corrections, a loaded machine sometimes none (CI once did). So the test runs
+    # up to TRIES generations for one with a correction, checking every output.
+    for _ in range(TRIES):
+        drafter = CuttableRuleDrafter(delay_s=0.01, wrong=5)
+        gen = _cloud_led(drafter, 40)
+        assert gen.token_ids == rule_expected(40)
+        if gen.stats.accepted < gen.stats.drafted:
+            break
     assert gen.stats.accepted < gen.stats.drafted  # corrections happened
     assert drafter.interrupts > 0
     assert gen.stats.interrupted > 0
