@@ -72,6 +72,29 @@ def test_the_cache_outgrows_its_buffers_and_stays_exact(qwen_dirs, draft_exports
     assert_logits_close(np.concatenate(got), hf_logits(qwen_dirs["tied"], ids))
 
 
+def test_the_cache_shrinks_once_a_sequence_needs_far_less_and_stays_exact(
+    draft_exports, monkeypatch
+):
+    """A 33-token sequence grows the buffers to 33 positions; rolled back to 2 tokens, a pass to 5
+    gets room for twice that, its prefix copied (attention reads every position of the
+    buffers); a step within it keeps them; after a reset, a 2-token pass gets the initial room
+    again. Every logit is a fresh drafter's."""
+    monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    long = PROMPT + list(range(100, 124))
+    drafter.forward(long)
+    assert drafter._kv.capacity == 33
+    for n, x, room in [(2, [8, 9, 10], 10), (5, [11], 10), (0, [5, 6], 4)]:
+        prefix = drafter.cached[:n]
+        drafter.truncate(n)
+        fresh.reset()
+        expected = fresh.forward(prefix + x, all_logits=True)[n:]
+        np.testing.assert_allclose(drafter.forward(x, True), expected, rtol=0, atol=1e-5)
+        assert drafter.cached == prefix + x
+        assert drafter._kv.capacity == room
+
+
 def test_a_step_writes_its_positions_in_place(draft_exports, capfd):
     """The buffers bound before a step are the buffers after it: positions before the step keep
     their bytes, the step's own are written there, none after it is touched; and ONNX Runtime's
@@ -168,8 +191,8 @@ def test_a_long_prompt_prefills_in_chunks_sized_to_the_cache(draft_exports, monk
 
 
 def _spy(reserve, capacities):
-    def spied(total, valid):
-        moved = reserve(total, valid)
+    def spied(total, valid, shrink=False):
+        moved = reserve(total, valid, shrink)
         if moved:
             capacities.append(total)
         return moved
