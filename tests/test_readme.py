@@ -34,6 +34,7 @@ OTHER_TOOLS = {
     "--spec-type": "llama.cpp",
     "--engines": "python -m bench.peers",
     "--rtt": "bench.run",
+    "--tokens": "python -m bench.draft_prefill",
 }
 
 
