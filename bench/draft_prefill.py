@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -23,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from bench.rss import rss_bytes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -37,14 +40,6 @@ def prompt_ids(draft_dir: Path, n: int) -> list[int]:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def rss_mb() -> float | None:
-    """This process's resident memory now (Linux; None elsewhere)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
-    except OSError:
-        return None
 
 
 def op_times(profile: Path) -> dict[str, float]:
@@ -101,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     growth = peak_rss_mb() - rss0
     profile = drafter.end_profiling() if args.profile else None
     long = step_ms(drafter, args.steps)
-    held = rss_mb()
+    held = rss_bytes(os.getpid()) / 2**20  # 0 where /proc is not there
     drafter.reset()
     drafter.forward(ids[:16])  # a new short sequence, as a client's next prompt
     again = step_ms(drafter, args.steps)
-    after = rss_mb()
+    after = rss_bytes(os.getpid()) / 2**20
     print(f"draft: {draft_dir.name} ({drafter.precision}), {args.threads} thread(s)")
     print(
         f"prefill {args.tokens} tokens: {prefill_s:.2f} s = {args.tokens / prefill_s:.1f} tok/s "
@@ -117,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{long[0]:.1f} / {long[1]:.1f} after {args.tokens}, "
         f"{again[0]:.1f} / {again[1]:.1f} after 16 again (a new sequence)"
     )
-    if held is not None and after is not None:
+    if held and after:
         print(f"RSS {held:.0f} MB holding the long prompt, {after:.0f} MB in the new sequence")
     if profile:
         times = op_times(Path(profile))

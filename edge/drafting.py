@@ -150,7 +150,7 @@ def cached_prefix(drafter: Drafter, committed: Sequence[int]) -> int:
     """How much of ``committed`` a pass after it finds in the drafter's cache: their common
     prefix, short of the last committed token (always fed, for its logits)."""
     cached = drafter.cached
-    limit = min(len(cached), len(committed) - 1)
+    limit = max(0, min(len(cached), len(committed) - 1))
     if cached[:limit] == list(committed[:limit]):  # the usual case, compared at C speed
         return limit
     n = 0

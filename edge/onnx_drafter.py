@@ -453,7 +453,7 @@ class OnnxDrafter:
         return [out.numpy()[0] for out in outputs]
 
     def _reserve(self, total: int, valid: int, shrink: bool = False) -> None:
-        # the buffers moved: past and present are the new ones
+        # where the buffers moved, past and present are bound to the new ones
         if self._kv.reserve(total, valid, shrink):
             for name, value in zip(self._kv.names, self._kv.values, strict=True):
                 self._binding.bind_ortvalue_input(f"past_{name}", value)

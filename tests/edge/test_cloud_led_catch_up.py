@@ -92,6 +92,7 @@ def test_feeds_counts_what_the_drafts_cache_lacks():
     assert proposer.feeds([1, 2, 3, 4, 5]) == 2
     assert proposer.feeds([1, 2, 3]) == 1  # the last token is always fed, for its logits
     assert proposer.feeds([1, 9, 3, 4]) == 3  # past where the cache diverges
+    assert proposer.feeds([]) == 0  # nothing to feed (no IndexError on the cached tokens)
 
 
 def test_a_prefill_longer_than_the_clouds_step_runs_on_and_the_edge_drafts():

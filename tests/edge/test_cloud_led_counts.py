@@ -162,9 +162,9 @@ def test_a_correction_cuts_short_the_draft_pass_that_continued_the_rejected_toke
     # Passes of 10 ms against 20 ms target steps: the edge drafts ahead without pause, so a
     # correction mostly finds it mid-pass on a token after the rejected one; that pass is cut
     # instead of run out, and output is exact.
-    # Whether a wrong guess reaches the cloud before the cloud steps past it is timing: most
-    # runs see 1-4 corrections, a loaded machine sometimes none (CI once did). So the test runs
-    # up to TRIES generations for one with a correction, checking every output.
+    # Whether a wrong guess reaches the cloud before the cloud steps past it is timing: on a
+    # loaded machine runs saw 0-4 rejected tokens, 1 run in 15 none (as CI once did). So the
+    # test runs up to TRIES generations for one with a correction, checking every output.
     for _ in range(TRIES):
         drafter = CuttableRuleDrafter(delay_s=0.01, wrong=5)
         gen = _cloud_led(drafter, 40)
