@@ -185,13 +185,17 @@ async def _generate(args) -> int:
     config = _config(args)  # bad arguments fail before any model is fetched or loaded
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     draft_dir = _draft_dir(args)
-    codec = _codec(args, draft_dir)
-    prompt = ids if ids is not None else _text_prompt(args, codec)
     drafter = None
     if args.route != "cloud-only":
         from specsplit.edge.onnx_drafter import OnnxDrafter
 
-        drafter = OnnxDrafter(draft_dir, threads=args.threads, provider=args.provider)
+        # Its session loads while the tokenizer loads, the cloud answers and prefills: the
+        # first block waits for it, and a cloud that leads meanwhile steps without it.
+        drafter = OnnxDrafter(
+            draft_dir, threads=args.threads, provider=args.provider, background=True
+        )
+    codec = _codec(args, draft_dir)
+    prompt = ids if ids is not None else _text_prompt(args, codec)
     server = None if args.route == "edge-only" else args.server
     # What the last invocation learnt of this server's link (edge.link_memory): a second
     # invocation starts as the first ended, cloud-led where the link is slow.

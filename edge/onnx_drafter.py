@@ -26,8 +26,10 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -264,10 +266,16 @@ class OnnxDrafter:
         threads: int | None = None,
         provider: str = AUTO,
         profile: bool = False,
+        background: bool = False,
     ) -> None:
         """``provider``: a --provider name (``choose_provider``); ``providers``, ONNX Runtime's
         own list, overrides it. ``profile``: ONNX Runtime's profiler records every pass until
-        ``end_profiling`` (bench.draft_prefill)."""
+        ``end_profiling`` (bench.draft_prefill). ``background``: the ONNX Runtime session is
+        created on a thread of its own, so the caller goes on at once (a CLI process loads its
+        tokenizer and sends its request meanwhile: creating the int4 draft's session takes
+        ~0.6 s of one AMD EPYC core, mostly repacking weights); what needs the model waits for
+        it (``forward``, ``another``, ``provider``), and a failed load raises there. The export's
+        metadata (vocabulary, limits, tokenizer) is read before this returns either way."""
         model_dir = Path(model_dir)
         meta = json.loads((model_dir / METADATA_FILE).read_text())
         if meta.get("format") != SUPPORTED_FORMAT:
@@ -307,15 +315,6 @@ class OnnxDrafter:
         if providers is None:
             self.chosen = choose_provider(provider, self.precision)
             providers = session_providers(self.chosen, options)
-        self._session = _create_session(str(model_dir / meta["onnx_file"]), options, providers)
-        # The provider it runs on (CUDA falls back to CPU where its libraries cannot start).
-        self.provider: str = self._session.get_providers()[0]
-
-        layers = [
-            f"{kind}.{i}" for i in range(int(meta["num_layers"])) for kind in ("key", "value")
-        ]
-        device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
-        self._kv_layout = (layers, int(meta["num_kv_heads"]), int(meta["head_dim"]), device)
         # An LM head split by frequency (edge.export.exporter.head_rows): the frequent ids'
         # logits every pass, the others' (logits_rest) only where the sequence's last tokens
         # hold one of them (``_needs_rest``); else they are -inf, so the draft does not propose
@@ -324,13 +323,67 @@ class OnnxDrafter:
         ids = meta.get("lm_head_ids")
         self._head_ids = None if ids is None else np.load(model_dir / ids)
         self._rest_ids = self._frequent = None
-        inputs = {i.name for i in self._session.get_inputs()}
+        self._meta = meta
+        path = str(model_dir / meta["onnx_file"])
+        # Set while the session loads on its thread (``background``); None once it is open.
+        self._loading: Future | None = None
+        self._lock = threading.Lock()  # opens the loaded session once, whichever thread asks
+        self._tokens: list[int] = []  # nothing is cached before the session opens
+        self._rare: list[int] = []
+        if not background:
+            self._open(_create_session(path, options, providers))
+            return
+        self._loading = Future()
+
+        def load() -> None:  # not a daemon: a process never exits inside ONNX Runtime's load
+            try:
+                self._loading.set_result(_create_session(path, options, providers))
+            except BaseException as e:
+                self._loading.set_exception(e)
+
+        threading.Thread(target=load, name="draft-load").start()
+
+    def _open(self, session: ort.InferenceSession) -> None:
+        """What needs the session: the provider it runs on, the cache's device, the split
+        head's rest, this drafter's own sequence."""
+        meta = self._meta
+        self._session = session
+        # The provider it runs on (CUDA falls back to CPU where its libraries cannot start).
+        self._provider: str = session.get_providers()[0]
+        layers = [
+            f"{kind}.{i}" for i in range(int(meta["num_layers"])) for kind in ("key", "value")
+        ]
+        device = "cuda" if self._provider == "CUDAExecutionProvider" else "cpu"
+        self._kv_layout = (layers, int(meta["num_kv_heads"]), int(meta["head_dim"]), device)
+        inputs = {i.name for i in session.get_inputs()}
         if self._head_ids is not None and "rest_from" in inputs:
             self._rest_ids = np.setdiff1d(np.arange(self.vocab_size), self._head_ids)
             self._frequent = np.zeros(self.vocab_size, dtype=bool)
             self._frequent[self._head_ids] = True
         self._open_sequence()
-        log.info("draft %s (%s) on %s", meta["source"]["name"], self.precision, self.provider)
+        log.info("draft %s (%s) on %s", meta["source"]["name"], self.precision, self._provider)
+
+    def _ready(self) -> None:
+        """Waits for a session loading in the background and opens it (its error, if it
+        failed to load, is raised here, to every caller)."""
+        if self._loading is None:
+            return
+        session = self._loading.result()
+        with self._lock:
+            if self._loading is not None:
+                self._open(session)
+                self._loading = None
+
+    @property
+    def loading(self) -> bool:
+        """True while the session loads in the background (``background``)."""
+        return self._loading is not None
+
+    @property
+    def provider(self) -> str:
+        """The ONNX Runtime provider the draft runs on (waits for a background load)."""
+        self._ready()
+        return self._provider
 
     def _open_sequence(self) -> None:
         """This drafter's own sequence: an empty KV cache and the IO binding that feeds it."""
@@ -352,6 +405,7 @@ class OnnxDrafter:
         session would hold the weights again: each added ~360 MB of RSS with the int4 draft, so the
         OpenAI endpoint's 4 slots held 1.5 GB, and 4 intra-op pools, each sized to every CPU,
         spun against each other on them."""
+        self._ready()
         other = copy.copy(self)  # the session and the model's metadata, shared
         other._open_sequence()
         return other
@@ -364,6 +418,7 @@ class OnnxDrafter:
     def forward(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends ``tokens`` after ``cached``; returns the logits after the last of them,
         [1, vocab], or with ``all_logits`` those after each, [len(tokens), vocab]."""
+        self._ready()
         past = len(self._tokens)
         seq = len(tokens)
         if seq == 0:
@@ -475,11 +530,14 @@ class OnnxDrafter:
         """Stops the forward pass running in another thread within about one operator (ONNX
         Runtime's RunOptions.terminate): it raises ``Interrupted`` and caches nothing of the chunk
         it was on. A drafter's token that the cloud has rejected meanwhile need not be finished
-        (edge.cloud_led). Between passes it does nothing: the next pass clears it."""
-        self._run.terminate = True
+        (edge.cloud_led). Between passes it does nothing: the next pass clears it (so too while
+        the session loads: no pass runs yet)."""
+        if self._loading is None:
+            self._run.terminate = True
 
     def end_profiling(self) -> str:
         """Stops the profiler (``profile=True``); returns the path of its JSON trace."""
+        self._ready()
         return self._session.end_profiling()
 
 

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -336,3 +337,66 @@ def test_an_interrupt_between_passes_leaves_the_next_pass_alone(draft_exports):
     drafter.interrupt()  # the pass it was meant for had ended
     np.testing.assert_allclose(drafter.forward(PROMPT), fresh.forward(PROMPT), rtol=0, atol=0)
     assert drafter.cached == PROMPT
+
+
+def _held_load(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Background loads that start (``started`` set) and then wait for ``release``."""
+    started, release = threading.Event(), threading.Event()
+    create = onnx_drafter._create_session
+
+    def held(*args):
+        started.set()
+        assert release.wait(30), "the test never released the load"
+        return create(*args)
+
+    monkeypatch.setattr(onnx_drafter, "_create_session", held)
+    return started, release
+
+
+def test_a_drafter_loading_in_the_background_answers_as_one_loaded_at_once(
+    draft_exports, monkeypatch
+):
+    """``background=True`` returns before the session exists: the export's metadata is there,
+    nothing is cached, an interrupt or a truncate to 0 does not wait; the first forward waits for
+    the load and gives exactly the logits of a drafter loaded at once."""
+    path = draft_exports["tied", "fp32"]
+    at_once = OnnxDrafter(path, providers=CPU, threads=1)
+    started, release = _held_load(monkeypatch)
+    drafter = OnnxDrafter(path, providers=CPU, threads=1, background=True)
+    try:
+        assert started.wait(30)
+        assert drafter.loading
+        assert (drafter.vocab_size, drafter.max_positions) == (
+            at_once.vocab_size,
+            at_once.max_positions,
+        )
+        assert drafter.cached == []
+        drafter.interrupt()  # no pass runs yet: nothing to stop, and the first pass runs whole
+        drafter.truncate(0)
+        assert drafter.loading  # none of that waited for the load
+    finally:
+        release.set()
+    expected = at_once.forward(PROMPT + [5, 6], all_logits=True)
+    got = np.concatenate([drafter.forward(PROMPT, all_logits=True), drafter.forward([5, 6], True)])
+    np.testing.assert_array_equal(got, expected)
+    assert not drafter.loading
+    assert drafter.cached == PROMPT + [5, 6]
+    assert drafter.provider == "CPUExecutionProvider"
+    other = drafter.another()  # on the same session, its own sequence
+    np.testing.assert_array_equal(other.forward(PROMPT), expected[len(PROMPT) - 1 : len(PROMPT)])
+
+
+def test_a_background_load_that_fails_raises_where_the_model_is_needed(draft_exports, monkeypatch):
+    """The load's error is not lost on its thread: every call that needs the model raises it."""
+
+    def broken(*args):
+        raise RuntimeError("ONNX Runtime could not load it")
+
+    monkeypatch.setattr(onnx_drafter, "_create_session", broken)
+    with pytest.raises(RuntimeError, match="could not load"):
+        OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU, background=True)
+    with pytest.raises(RuntimeError, match="could not load"):
+        drafter.forward(PROMPT)
+    with pytest.raises(RuntimeError, match="could not load"):
+        drafter.provider  # noqa: B018 (the property is the call under test)
