@@ -264,6 +264,45 @@ def _row(i: int, s: dict, own: tuple[str, ...]) -> tuple[str, ...]:
     return (*lead, *ratios, *own, str(s["tokens"]), _num(s["acceptance"]), s["same"])
 
 
+def cold_summary(rows: dict[str, list[dict]]) -> list[dict]:
+    """The cold rows (a new ``specsplit-edge generate`` process per prompt) seen from the
+    process's start: what a user who runs the command waits for. Start-up is the process's wall
+    less the request's (imports, the tokenizer, the draft's session where the request did not
+    wait for it, and the exit after the last token), so the first token's time from the start
+    (start-up plus the request's time to first token) is a bound from above."""
+    out = []
+    for key in (k for k in SINGLE_ORDER if k.endswith("/cold") and k in rows):
+        recs = [r for r in rows[key] if "process_wall_s" in r]
+        if not recs:
+            continue
+        startup = [r["process_wall_s"] - r["wall_s"] for r in recs]
+        first = [s + r["ttft_s"] for s, r in zip(startup, recs, strict=True)]
+        tokens = sum(r["new_tokens"] for r in recs)
+        out.append(
+            {
+                "setup": label(key),
+                "request": tok_s(recs),
+                "process": tokens / sum(r["process_wall_s"] for r in recs),
+                "startup": sum(startup) / len(recs),
+                "first": sum(first) / len(recs),
+            }
+        )
+    return out
+
+
+def cold_table(summ: list[dict]) -> str:
+    head = (
+        "setup", "tok/s, request to last token", "tok/s, process start to exit",
+        "start-up s (mean)", "first token s from the start (mean, at most)",
+    )  # fmt: skip
+    lines = [
+        (s["setup"], f"**{s['request']:.2f}**", f"**{s['process']:.2f}**")
+        + (f"{s['startup']:.2f}", f"{s['first']:.2f}")
+        for s in summ
+    ]
+    return _table(head, lines)
+
+
 def cpu_line(meta: dict) -> str:
     """The CPU a table was measured on, and whether it has the SIMD paths that matter."""
     have = set(meta.get("cpu_flags", ()))
@@ -416,6 +455,15 @@ a warm-up; a cold one is a new `specsplit-edge generate` process per prompt with
   of these:
 
 {draft_table(rows)}
+
+### Cold clients from the process's start
+
+{cold_table(cold_summary(rows))}
+
+- The tables above time a cold client from its request; a user who runs the command waits
+  from the process's start. Start-up is the process's wall less the request's: imports, the
+  tokenizer, and the part of the draft's ONNX Runtime session load that the request did not
+  wait for (`specsplit-edge generate` loads it in the background while the cloud prefills).
 
 ## {sessions} concurrent requests on the cloud's one core
 

@@ -17,6 +17,8 @@ from bench.peers_report import (
     by_row,
     concurrent_summary,
     concurrent_table,
+    cold_summary,
+    cold_table,
     cpu_line,
     label,
     markdown_table,
@@ -186,6 +188,23 @@ def test_split_is_compared_with_cloud_only_of_the_same_clients():
     assert s["specsplit/split/t2/cold"]["vs_cloud_only"] == pytest.approx(2.0)  # 10 vs 20 s
     assert s["specsplit/split/t2/cold"]["vs_llama"] == pytest.approx(0.8)  # 10 vs 8 s
     assert s["llama.cpp/target/t1"]["vs_cloud_only"] is None
+
+
+def test_cold_rows_are_also_timed_from_the_process_start():
+    """A cold row's processes: 1.5 s and 2.5 s of start-up before requests of 4 s and 6 s,
+    first tokens 0.5 s and 0.7 s into them."""
+    row = next(r for r in make_rows(PLANS["full"], ONE, BOTH) if r.key == "specsplit/split/t2/cold")
+    records = [
+        rec(row, "code-00", wall=4.0, process_wall_s=5.5, ttft_s=0.5),
+        rec(row, "prose-00", "prose", wall=6.0, process_wall_s=8.5, ttft_s=0.7),
+    ]
+    (s,) = cold_summary(by_row(records))
+    assert s["request"] == pytest.approx(128 / 10.0)
+    assert s["process"] == pytest.approx(128 / 14.0)
+    assert s["startup"] == pytest.approx(2.0)
+    assert s["first"] == pytest.approx((2.0 + 3.2) / 2)
+    assert "| **12.80** | **9.14** | 2.00 | 2.60 |" in cold_table([s])
+    assert cold_summary(by_row([rec(row, wall=4.0)])) == []  # no process wall: no row
 
 
 def test_concurrent_rate_is_every_waves_tokens_over_the_waves_walls():
