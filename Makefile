@@ -18,7 +18,7 @@ TEMPERATURE ?= 0
 K ?= 4
 
 .PHONY: setup proto test lint format demo bench bench-quick bench-load bench-load-quick bench-gpu soak clean \
-	node-client bench-peers
+	node-client bench-peers bench-peers-interleaved
 
 setup: $(STAMP) $(KERNELS_STAMP)
 
@@ -96,6 +96,10 @@ bench-load-quick: setup
 # this CPU, one run: docs/peers.md. Builds llama.cpp's llama-server once into the model cache.
 bench-peers: setup
 	$(PY) -m bench.peers
+
+# llama.cpp alone, specsplit cloud-only and the split taking turns prompt by prompt (minutes).
+bench-peers-interleaved: setup
+	$(PY) -m bench.peers_interleaved
 
 # The target engine on a CUDA GPU (lossless checks, speed beside transformers): docs/gpu.md.
 GPU_CONFIG ?= $(HOME)/.cache/specsplit/hf/qwen2.5-coder-1.5b-instruct/config.json
