@@ -376,7 +376,8 @@ class OnnxDrafter:
 
     @property
     def loading(self) -> bool:
-        """True while the session loads in the background (``background``)."""
+        """True until a session loaded in the background (``background``) is opened, by the
+        first call that needs it."""
         return self._loading is not None
 
     @property
