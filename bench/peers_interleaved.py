@@ -29,6 +29,7 @@ from rich.console import Console
 from bench import llama_cpp
 from bench.demo import interrupt_on_sigterm, split_cores
 from bench.peers import PLANS, encoded_prompts, prepare_models
+from bench.peers_report import tok_s
 from bench.stamp import stamp
 from specsplit.cloud.supervision.triton import free_port
 
@@ -52,8 +53,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rates = {}
     for name in SETUPS:
         mine = [r for r in records if r["setup"] == name]
-        wall = sum(r["wall_s"] for r in mine)
-        rates[name] = sum(r["new_tokens"] for r in mine) / wall if wall else None
+        rates[name] = tok_s(mine) or None  # 0.0 where it ran nothing
     base = rates["llama.cpp"]
     return [
         {

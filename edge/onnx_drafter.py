@@ -375,12 +375,6 @@ class OnnxDrafter:
                 self._loading = None
 
     @property
-    def loading(self) -> bool:
-        """True until a session loaded in the background (``background``) is opened, by the
-        first call that needs it."""
-        return self._loading is not None
-
-    @property
     def provider(self) -> str:
         """The ONNX Runtime provider the draft runs on (waits for a background load)."""
         self._ready()

@@ -365,7 +365,7 @@ def test_a_drafter_loading_in_the_background_answers_as_one_loaded_at_once(
     drafter = OnnxDrafter(path, providers=CPU, threads=1, background=True)
     try:
         assert started.wait(30)
-        assert drafter.loading
+        loading = drafter._loading  # the load's future, held unfinished by the test
         assert (drafter.vocab_size, drafter.max_positions) == (
             at_once.vocab_size,
             at_once.max_positions,
@@ -373,13 +373,13 @@ def test_a_drafter_loading_in_the_background_answers_as_one_loaded_at_once(
         assert drafter.cached == []
         drafter.interrupt()  # no pass runs yet: nothing to stop, and the first pass runs whole
         drafter.truncate(0)
-        assert drafter.loading  # none of that waited for the load
+        assert not loading.done()  # none of that waited for the load
     finally:
         release.set()
     expected = at_once.forward(PROMPT + [5, 6], all_logits=True)
     got = np.concatenate([drafter.forward(PROMPT, all_logits=True), drafter.forward([5, 6], True)])
     np.testing.assert_array_equal(got, expected)
-    assert not drafter.loading
+    assert drafter._loading is None  # opened by the first forward
     assert drafter.cached == PROMPT + [5, 6]
     assert drafter.provider == "CPUExecutionProvider"
     other = drafter.another()  # on the same session, its own sequence
