@@ -22,6 +22,10 @@ pytestmark = [
 
 N_NEW = 24
 LENGTHS = [1, 5, 12, 30, 3, 47]
+# Whether two of the six sessions meet in one target pass is timing: under a loaded `make test`
+# (2026-11-28, AMD EPYC) one run's passes were all single; alone it shared in 6 runs of 6. So
+# up to TRIES runs on one cloud look for a shared pass, each run's output checked.
+TRIES = 3
 
 
 async def _generate(address, drafter, prompt, mode, k):
@@ -58,13 +62,17 @@ def test_batched_split_equals_the_served_targets_cloud_only(tiny, tmp_path, weig
 
     args = ("--target", str(tiny.target), "--weights", weights, "--triton-log-dir", str(tmp_path))
     with CloudProcess(*args, log_dir=tmp_path) as cloud:
-        cloud_only, split = asyncio.run(run(cloud.address))
+        for _ in range(TRIES):
+            cloud_only, split = asyncio.run(run(cloud.address))
+            for prompt, ref, got in zip(prompts, cloud_only, split, strict=True):
+                assert len(ref.token_ids) == N_NEW
+                assert got.token_ids == ref.token_ids, len(prompt)
+            assert any(g.stats.accepted for g in split)  # the target's own drafts were accepted
+            shared = max(b for g in split for b in g.stats.batch_sessions)
+            if shared > 1:
+                break
     # the target's INFO lines reach tritonserver's log: which weights it serves, its cost curve
     triton_log = "".join(p.read_text() for p in tmp_path.glob("tritonserver-*.log"))
     assert f"({weights} weights, torch.float32)" in triton_log
     assert "forward cost by rows" in triton_log
-    assert max(b for g in split for b in g.stats.batch_sessions) > 1, "no pass was shared"
-    for prompt, ref, got in zip(prompts, cloud_only, split, strict=True):
-        assert len(ref.token_ids) == N_NEW
-        assert got.token_ids == ref.token_ids, len(prompt)
-    assert any(g.stats.accepted for g in split)  # the target's own drafts were accepted
+    assert shared > 1, f"no pass was shared in {TRIES} runs"
