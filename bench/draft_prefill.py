@@ -10,6 +10,12 @@ it to one core for figures (``taskset -c 0``) and keep ``--threads 1``.
 
 ``--profile`` turns on ONNX Runtime's profiler for the prefill and prints the time per operator
 type (the profile's node events, summed), the largest first.
+
+``--target`` then prefills the same prompt into the default pair's target as ``specsplit-cloud
+serve`` loads it (``cloud.engine.target.TargetModel``, weights ``auto``, ``--threads`` threads,
+its prefill passes of ``PREFILL_CHUNK`` rows) in this process, on the same core, after the
+draft's figures (so its memory counts in none of them), and prints its prefill rate next to the
+draft's: the draft's prefill against the target's it runs beside.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--target", action="store_true", help="also time the target's prefill")
     args = p.parse_args(argv)
 
     from specsplit.edge.export.ensure import ensure_draft_onnx
@@ -120,7 +127,40 @@ def main(argv: list[str] | None = None) -> int:
         for op, ms in list(times.items())[:12]:
             print(f"  {op:<28} {ms:9.0f} ms  {100 * ms / total:5.1f}%")
         print(f"  (profile: {profile}; the prefill and the steps before it)")
+    if args.target:
+        del drafter
+        wall, cpu = target_prefill_s(ids, args.threads)
+        print(
+            f"target prefill {args.tokens} tokens: {wall:.2f} s = {args.tokens / wall:.1f} tok/s "
+            f"(CPU time {cpu:.2f} s = {args.tokens / cpu:.1f} tok/s); the draft's is "
+            f"{wall / prefill_s:.2f}x it (CPU time {cpu / prefill_cpu:.2f}x)"
+        )
     return 0
+
+
+def target_prefill_s(
+    ids: list[int], threads: int, model: str | Path | None = None
+) -> tuple[float, float]:
+    """(wall s, CPU s) of the target's prefill of ``ids`` (``model``: the default pair's): its
+    session opened with them (``TargetModel.start`` prefills all but the last) and its first
+    step (the last one)."""
+    from specsplit.cloud.engine.target import SessionParams, TargetModel
+    from specsplit.shared.acceptance import VerificationRule
+    from specsplit.shared.sampling import SamplingConfig
+    from specsplit.shared.weights.sources import TARGET_DEFAULT, resolve_model
+
+    model_dir = resolve_model(model or TARGET_DEFAULT.name)
+    target = TargetModel(model_dir, device="cpu", threads=threads)
+    params = SessionParams(SamplingConfig(), VerificationRule.GREEDY)
+    target.start(0, ids[:16], params)  # warms the passes' first-run allocations
+    target.verify(0, 16, [ids[15]])
+    target.end(0)
+    t0, c0 = time.perf_counter(), time.process_time()
+    target.start(1, ids, params)
+    target.verify(1, len(ids), [ids[-1]])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    target.end(1)
+    return wall, cpu
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ OTHER_TOOLS = {
     "--engines": "python -m bench.peers",
     "--rtt": "bench.run",
     "--tokens": "python -m bench.draft_prefill",
+    "--profile": "python -m bench.draft_prefill",
 }
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from bench.draft_agreement import agreement, rare_id, step_times
-from bench.draft_prefill import op_times, step_ms
+from bench.draft_prefill import op_times, step_ms, target_prefill_s
 
 VOCAB = 16
 
@@ -106,3 +106,10 @@ def test_rare_id_is_outside_a_split_heads_rows(tmp_path):
     assert rare_id(tmp_path) == 3
     np.save(tmp_path / "lm_head_ids.npy", np.array([0, 1, 2]))
     assert rare_id(tmp_path) == 3
+
+
+def test_target_prefill_times_a_served_prefill(tiny):
+    """The target's prefill as ``serve`` loads it (the tiny target): a 40-token prompt, warmed
+    on its first 16, timed in wall and CPU seconds."""
+    wall, cpu = target_prefill_s([(7 * i) % 50 + 3 for i in range(40)], 1, tiny.target)
+    assert 0 < wall < 60 and 0 < cpu < 60

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -55,9 +56,10 @@ def test_truncate_then_forward_equals_fresh_run(draft_exports):
 
 
 def test_the_cache_outgrows_its_buffers_and_stays_exact(qwen_dirs, draft_exports, monkeypatch):
-    """Buffers of 4 positions double to 8, 16, 32 while a prompt, steps, a truncate and a block
-    go through: every logit still transformers'."""
+    """Buffers of 4 positions grown by 2 (GROWTH) to 8, 16, 32 while a prompt, steps, a
+    truncate and a block go through: every logit still transformers'."""
     monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
+    monkeypatch.setattr(onnx_drafter, "GROWTH", 2.0)
     drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
     ids = PROMPT + [11, 250, 0, 42, 42, 9, 1, 3, 3, 5, 8, 13, 21, 34, 55]  # 24 tokens
     got = [drafter.forward(ids[:3], all_logits=True)]
@@ -170,32 +172,53 @@ def test_a_prefill_returns_its_last_position_only_as_transformers_computes_it(
 
 
 def test_a_long_prompt_prefills_in_chunks_sized_to_the_cache(draft_exports, monkeypatch):
-    """A pass's attention scores, [heads, chunk, capacity] float32, stay near SCORES_BYTES:
-    the longer the cache, the shorter the chunk."""
+    """A pass's attention scores, [heads, chunk, capacity] float32, stay under SCORES_BYTES:
+    the longer the cache, the shorter the chunk; the cache grows as the chunks go, to where
+    the next chunk ends or by GROWTH, whichever is more, so that no chunk reads a buffer more
+    than GROWTH times the room it asked for."""
     assert onnx_drafter.prefill_chunk(14, 2048) == 146  # Qwen2.5-0.5B: 14 heads
     assert onnx_drafter.prefill_chunk(14, 512) == onnx_drafter.PREFILL_CHUNK
     assert onnx_drafter.prefill_chunk(14, 32768) == onnx_drafter.MIN_PREFILL_CHUNK
+    # a chunk ending the cache: 137 x (2048 + 137) scores fit 16 MiB / (4 x 14), 138 would not
+    assert onnx_drafter.chunk_after(14, 2048) == 137
+    assert onnx_drafter.chunk_after(14, 0) == onnx_drafter.PREFILL_CHUNK
+    assert onnx_drafter.chunk_after(14, 32768) == onnx_drafter.MIN_PREFILL_CHUNK
     monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
     monkeypatch.setattr(onnx_drafter, "MIN_PREFILL_CHUNK", 1)
     drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
     ids = (PROMPT * 7)[:60]
-    # room for 3 query rows of every head over a cache of the prompt's 60 positions
-    monkeypatch.setattr(onnx_drafter, "SCORES_BYTES", 4 * drafter._num_heads * 60 * 3)
-    seen, step = [], drafter._step
-    monkeypatch.setattr(drafter, "_step", lambda t, *a: (seen.append(len(t)), step(t, *a))[1])
-    capacities = []
-    monkeypatch.setattr(drafter._kv, "reserve", _spy(drafter._kv.reserve, capacities))
+    rows = 180  # room for 3 query rows of every head over 60 positions
+    monkeypatch.setattr(onnx_drafter, "SCORES_BYTES", 4 * drafter._num_heads * rows)
+    seen, step = [], drafter._step  # (chunk, the capacity it ran in)
+    monkeypatch.setattr(
+        drafter,
+        "_step",
+        lambda t, *a: (seen.append((len(t), drafter._kv.capacity)), step(t, *a))[1],
+    )
+    moves = []
+    monkeypatch.setattr(drafter._kv, "reserve", _spy(drafter._kv, moves))
     got = drafter.forward(ids)
-    assert seen == [3] * 20 and capacities == [60]
+    sizes = [size for size, _ in seen]
+    assert sum(sizes) == 60 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1
+    assert sizes[0] == 13  # 13 x 13 <= 180 < 14 x 14: the first chunk ends the cache it needs
+    assert all(size * capacity <= rows for size, capacity in seen)
+    assert moves
+    for before, total, capacity in moves:  # what it needs, or grown by GROWTH
+        grown = math.ceil(onnx_drafter.GROWTH * before)
+        assert capacity == max(onnx_drafter.INITIAL_CAPACITY, grown, total)
     fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
     np.testing.assert_allclose(got, fresh.forward(ids, all_logits=True)[-1:], rtol=0, atol=1e-5)
 
 
-def _spy(reserve, capacities):
-    def spied(total, valid, shrink=False):
-        moved = reserve(total, valid, shrink)
+def _spy(kv, moves):
+    """kv.reserve, recording (capacity before, total asked, capacity after) where it moved."""
+    reserve = kv.reserve
+
+    def spied(total, valid, *args):
+        before = kv.capacity
+        moved = reserve(total, valid, *args)
         if moved:
-            capacities.append(total)
+            moves.append((before, total, kv.capacity))
         return moved
 
     return spied
