@@ -268,15 +268,19 @@ class _KVCache:
         kv_heads, head_dim = self._shape
         if not self.values:
             self.values = [None] * len(self.names)
-        for i, name in enumerate(self.names):
-            new = np.zeros((1, kv_heads, capacity, head_dim), np.float32)
-            if (old := self.values[i]) is not None:
-                new[:, :, :valid] = old.numpy()[:, :, :valid]
-            # On CPU the OrtValue aliases ``new`` (and keeps it alive); on CUDA it is a copy.
-            self.values[i] = ort.OrtValue.ortvalue_from_numpy(new, self._device, 0)
-            del old, new
-            if bind is not None:
-                bind(name, self.values[i])
+        try:
+            for i, name in enumerate(self.names):
+                new = np.zeros((1, kv_heads, capacity, head_dim), np.float32)
+                if (old := self.values[i]) is not None:
+                    new[:, :, :valid] = old.numpy()[:, :, :valid]
+                # On CPU the OrtValue aliases ``new`` (and keeps it alive); on CUDA a copy.
+                self.values[i] = ort.OrtValue.ortvalue_from_numpy(new, self._device, 0)
+                del old, new
+                if bind is not None:
+                    bind(name, self.values[i])
+        except BaseException:  # out of memory: the old buffers replaced so far are gone
+            self.values, self.capacity = [], 0  # the next reserve makes and binds all anew
+            raise
         self.capacity = capacity
         log.debug("draft KV cache: room for %d positions", capacity)
         return True
@@ -533,7 +537,13 @@ class OnnxDrafter:
 
     def _reserve(self, total: int, valid: int, shrink: bool = False) -> None:
         # where the buffers moved, past and present are bound to the new ones
-        self._kv.reserve(total, valid, shrink, self._bind)
+        try:
+            self._kv.reserve(total, valid, shrink, self._bind)
+        except BaseException:
+            if not self._kv.capacity:  # a growth failed halfway: the cache is gone, and with it
+                self._tokens.clear()  # what it held (a next pass feeds the sequence again)
+                self._rare.clear()
+            raise
 
     def _bind(self, name: str, value: ort.OrtValue) -> None:
         self._binding.bind_ortvalue_input(f"past_{name}", value)

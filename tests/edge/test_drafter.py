@@ -98,6 +98,32 @@ def test_the_cache_shrinks_once_a_sequence_needs_far_less_and_stays_exact(
         assert drafter._kv.capacity == room
 
 
+def test_a_growth_that_fails_halfway_leaves_an_empty_cache_that_works(draft_exports, monkeypatch):
+    """Out of memory while the buffers grow (some replaced, their old ones freed): the error
+    reaches the caller, the drafter holds nothing, and the next pass feeds the whole sequence
+    into new buffers with a fresh drafter's logits."""
+    monkeypatch.setattr(onnx_drafter, "INITIAL_CAPACITY", 4)
+    drafter = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    drafter.forward(PROMPT[:3])
+    zeros, made = np.zeros, []
+
+    def failing(*args, **kwargs):
+        made.append(args)
+        if len(made) == 3:  # the third new buffer of the growth
+            raise MemoryError("no room")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(onnx_drafter.np, "zeros", failing)
+    with pytest.raises(MemoryError, match="no room"):
+        drafter.forward(PROMPT[3:])
+    monkeypatch.setattr(onnx_drafter.np, "zeros", zeros)
+    assert drafter.cached == [] and drafter._kv.capacity == 0
+    fresh = OnnxDrafter(draft_exports["tied", "fp32"], providers=CPU)
+    expected = fresh.forward(PROMPT, all_logits=True)
+    np.testing.assert_allclose(drafter.forward(PROMPT, True), expected, rtol=0, atol=1e-5)
+    assert drafter.cached == PROMPT
+
+
 def test_a_step_writes_its_positions_in_place(draft_exports, capfd):
     """The buffers bound before a step are the buffers after it: positions before the step keep
     their bytes, the step's own are written there, none after it is touched; and ONNX Runtime's
