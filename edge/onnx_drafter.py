@@ -246,7 +246,7 @@ class _KVCache:
         self.capacity = 0
         self.values: list[ort.OrtValue] = []
 
-    def reserve(self, total: int, valid: int, shrink: bool = False, bind=None) -> bool:
+    def reserve(self, total: int, valid: int, shrink: bool, bind) -> bool:
         """Room for ``total`` positions, the first ``valid`` kept; True when the buffers moved.
         ``bind(name, value)`` is called with each new buffer as soon as it holds its valid part,
         before the next one is made, so that the old one is freed then (the binding held it
@@ -276,8 +276,7 @@ class _KVCache:
                 # On CPU the OrtValue aliases ``new`` (and keeps it alive); on CUDA a copy.
                 self.values[i] = ort.OrtValue.ortvalue_from_numpy(new, self._device, 0)
                 del old, new
-                if bind is not None:
-                    bind(name, self.values[i])
+                bind(name, self.values[i])
         except BaseException:  # out of memory: the old buffers replaced so far are gone
             self.values, self.capacity = [], 0  # the next reserve makes and binds all anew
             raise
