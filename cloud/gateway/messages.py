@@ -60,6 +60,8 @@ class Echoes:
         self.echo_at: float | None = None  # its Echo was read
         self.echoed = asyncio.Event()
         self._pending: asyncio.Future | None = None  # the read started at the Probe
+        # Start.first_draft: a Draft follows Start before Started, and none was read yet
+        self.draft_due = False
 
     def __aiter__(self) -> Echoes:
         return self
@@ -88,6 +90,7 @@ class Echoes:
             if msg is None:
                 raise StopAsyncIteration
             if not _is_echo(msg):
+                self.draft_due = False  # whatever followed Start: that write is done
                 return msg
             self._echo()
 
@@ -112,8 +115,11 @@ class Echoes:
 
     async def settle(self, wait_s: float = 1.0) -> None:
         """Before the stream ends with a status: waits (at most ``wait_s``) for the read the
-        Probe started, so that the client's Echo, written as it read the Probe, is received
-        (before_refusing says why a write in flight costs the client our status)."""
+        Probe started, so that the client's Echo, written as it read the Probe, is received,
+        and likewise for the Draft a Start with first_draft announced (before_refusing says why
+        a write in flight costs the client our status)."""
+        if self.draft_due and self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self.messages, None))
         if self._pending is not None and not self._pending.done():
             with contextlib.suppress(Exception):
                 await asyncio.wait({self._pending}, timeout=wait_s)
@@ -158,16 +164,23 @@ async def next_draft(
 
 
 async def before_refusing(requests, wait_s: float = 1.0) -> None:
-    """Receives a stream's first message (waiting at most ``wait_s``) before it is refused.
+    """Receives a stream's first message, and the Draft its Start announced (Start.first_draft),
+    before it is refused, waiting at most ``wait_s`` in all.
 
     A grpc.aio client whose write is still in flight when the stream ends reports INTERNAL
-    ("Internal error from Core") instead of the status we send; the edge writes its Start and
-    then only reads, so once that Start is received our status is the one it sees.
+    ("Internal error from Core", grpc/grpc#36066) instead of the status we send; the edge writes
+    its Start (and, cloud-led, its first block) and then only reads until Started, so once those
+    are received our status is the one it sees.
     """
-    if hasattr(requests, "__aiter__"):
-        # A timeout or a broken stream: refuse all the same.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(anext(requests.__aiter__(), None), wait_s)
+    if not hasattr(requests, "__aiter__"):
+        return
+    messages = requests.__aiter__()
+    # A timeout or a broken stream: refuse all the same.
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(wait_s):
+            first = await anext(messages, None)
+            if isinstance(first, pb.ClientMessage) and first.start.first_draft:
+                await anext(messages, None)
 
 
 async def until_half_close(requests, grace_s: float, reader: asyncio.Task | None = None) -> None:
