@@ -608,8 +608,10 @@ class _Drafts:
         self.round = handover.round if handover is not None else 0
         self.delivered = 0  # Drafts these rounds sent (a handover's lead Draft not counted)
         self.sent: dict[int, tuple[int, list[int]]] = {}
+        self.unlagged: int | None = None  # the round sent with Start: no lag to measure
         if handover is not None:
             self.sent[handover.round] = (len(committed), list(handover.block.tokens))
+            self.unlagged = handover.round if handover.with_start else None
 
     async def send(self, spec: _Speculation) -> bool:
         """Sends the speculation's new tokens as a continuation of its last Draft while some of
@@ -655,9 +657,10 @@ class _Drafts:
 
     def apply(self, v: pb.Verdict) -> tuple[list[int], int | None]:
         """Commits a Verdict; returns its chunk and how many tokens the cloud committed while
-        its Draft was on the way (None: not known)."""
+        its Draft was on the way (None: not known, or a Draft sent with Start)."""
         n = len(self.committed)
-        offset = n - self.sent[v.round][0] if v.round in self.sent else None
+        known = v.round in self.sent and v.round != self.unlagged
+        offset = n - self.sent[v.round][0] if known else None
         base, tokens = self.sent.get(v.round, (n, []))
         chunk = tokens[n - base : n - base + v.accepted] + ([v.token] if v.has_token else [])
         self.committed.commit(chunk, v)

@@ -17,7 +17,8 @@ from specsplit.shared.protocol import pb
 @dataclass(frozen=True)
 class Handover:
     """A lock-step stream going on cloud-led: its Draft.lead, or the Draft the cloud was
-    waiting for when it took the lead itself (``led``)."""
+    waiting for when it took the lead itself (``led``); or a cloud-led stream's first block,
+    sent before Started came (``with_start``, edge.rounds)."""
 
     round: int  # the lead Draft's round
     block: Block  # its drafts, sent from the committed prefix
@@ -26,3 +27,6 @@ class Handover:
     # The cloud's first cloud-led Verdict, when the cloud took the lead itself (Verdict.led),
     # read by the lock-step loop: the first the cloud-led rounds commit.
     led: pb.Verdict | None = None
+    # Sent right behind Start, from the prompt: the cloud's progress while it travelled (one
+    # prefill) says nothing of the round trip, so its Verdict measures no lag (edge.cloud_led)
+    with_start: bool = False

@@ -44,11 +44,14 @@ async def lockstep_rounds(
     started: pb.Started,
     first: tuple[Block, float] | None,
     reading: asyncio.Future | None = None,
+    sent: bool = False,
 ) -> AsyncIterator[list[int] | Handover]:
     """Each round's committed chunk from Started, or, last, the Handover to cloud-led rounds;
     ``first``: the first block and its drafting time (ms), drafted early; ``reading``: the read
     of the first Verdict, already under way (edge.rounds reads a lead of the cloud's while the
-    first block drafts): the first round's Verdict, and its first Draft does not lead."""
+    first block drafts): the first round's Verdict, and its first Draft does not lead;
+    ``sent``: ``first`` left already as round 1's Draft, whole and not leading (edge.rounds
+    sends a cloud-led stream's first block before Started; a server may run lock-step)."""
     stats = stream.stats
     max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     chooser = DraftLength(max_draft_tokens) if plan.adaptive else None
@@ -66,7 +69,7 @@ async def lockstep_rounds(
         fresh = first is None
         if first is not None:  # drafted early (prefill, or the previous verdict in flight)
             (block, draft_ms), first = first, None
-            block = block.head(k)
+            block = block if sent else block.head(k)
             k = len(block.tokens)  # shorter when the cloud's hint grew meanwhile
         else:
             block, draft_ms = await block_off_loop(proposer, committed.tokens, k, rule)
@@ -74,11 +77,14 @@ async def lockstep_rounds(
         # Hand over with this block when cloud-led would be faster (and blocks remain after it).
         lead = (
             switch is not None
+            and not sent
             and reading is None  # the Verdict read already is this Draft's (or the cloud's lead)
             and remaining > k + 1
             and (plan.lead_first or switch.should_lead(k))
         )
-        await stream.send(_draft(started, round_no, base_len, block, lead))
+        if not sent:
+            await stream.send(_draft(started, round_no, base_len, block, lead))
+        sent = False
         if lead:
             stats.observe_lead(round_no, by_cloud=False)
             yield Handover(round_no, block, remaining, switch.lengths)

@@ -107,13 +107,6 @@ class Link(NamedTuple):
             return True
         return self.led and self.led_pays()
 
-    def beyond_reach(self, max_draft_tokens: int) -> bool:
-        """The remembered round trip is at least ``max_draft_tokens`` of the server's steps: the
-        cloud commits that many tokens while a Draft travels, more than a speculation with
-        nothing measured reaches (edge.cloud_led.reaches, which Started's own figures decide)."""
-        rtt, step = self.rtt_ms, self.step_ms
-        return rtt is not None and step > 0 and rtt >= max_draft_tokens * step
-
     def led_pays(self) -> bool:
         """Whether cloud-led, as measured on this link, was worth running: faster than
         lock-step where both were measured, else faster than the cloud-only pace (one token per

@@ -37,7 +37,8 @@ from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import SpecsplitError, Stream
 from specsplit.edge.worker import Worker
-from specsplit.shared.protocol import pb
+from specsplit.shared.acceptance import VerificationRule, resolve_verification
+from specsplit.shared.protocol import pb, sparse_to_pb
 from specsplit.shared.session_mode import SessionMode
 
 log = logging.getLogger(__name__)
@@ -64,22 +65,29 @@ async def run_rounds(
     early = None
     drafts = proposer is not None and plan.mode is not SessionMode.CLOUD_ONLY
     fingerprint = proposer.tokenizer_fingerprint if drafts else None
-    await stream.start(committed.tokens, plan.mode, fingerprint, plan.follows_lead)
     # Draft the first block (the draft's own prefill included) while the cloud prefills; a
     # sampled draft needs the seed first (SplitClient sends one: edge.client._own_seed). A
-    # cloud-led stream's block is handed on to its rounds (``handed``), which join it: its cloud
-    # steps on from the prefill without waiting, and a speculation begun only at Started (a
-    # prefill on the edge, then tokens) left its first passes draftless (3-8 on the 2-core CPU).
-    # Not where the link is remembered too long for any Draft to reach the cloud (plan.far):
-    # the prefill waits for Started, which says whether the cloud can be reached after all.
-    if drafts and not plan.far and (stream.seed is not None or cfg.sampling.greedy):
+    # cloud-led stream's block leaves behind Start if done before Started (``_send_first``,
+    # announced in Start.first_draft); else it is handed on to its rounds (``handed``), which
+    # join it: its cloud steps on from the prefill without waiting, and a speculation begun only
+    # at Started (a prefill on the edge, then tokens) left its first passes draftless (3-8 on
+    # the 2-core CPU).
+    k_first = _first_k(plan, stream.max_new_tokens)
+    drafts_early = drafts and (stream.seed is not None or cfg.sampling.greedy)
+    first_draft = drafts_early and plan.mode is SessionMode.CLOUD_LED and k_first > 0
+    await stream.start(committed.tokens, plan.mode, fingerprint, plan.follows_lead, first_draft)
+    if drafts_early:
         rule = _rule(stream, proposer, stream.seed)
-        k_first = _first_k(plan, stream.max_new_tokens)
         early = Worker(timed_block, proposer, committed.tokens, k_first, rule)
     reading = led = None  # the first Verdict's read while the block drafts; a lead it read
     handed = False
+    sent: Block | None = None  # a cloud-led stream's first block, sent before Started came
+    starting = asyncio.ensure_future(stream.started())
     try:
-        started = await stream.started()
+        if first_draft:
+            sent = await _send_first(stream, early, starting, len(committed))
+            early = None if sent is not None else early
+        started = await starting
         plan = plan.settled(started, stream.stats.start_rtt_ms)
         stream.stats.led_at_start = plan.auto and plan.mode is SessionMode.CLOUD_LED
         if plan.mode.drafts and rule is None:
@@ -87,9 +95,9 @@ async def run_rounds(
         first = None
         led_next = plan.mode is SessionMode.CLOUD_LED or plan.lead_first
         if drafts and led_next and not reaches(plan, started, stream.stats.start_rtt_ms):
-            # No Draft of this stream can reach the cloud in time: the draft's prefill, begun
-            # or not (plan.far), does not run (it would cost the device, and the cloud's core
-            # beside it, for nothing)
+            # No later Draft of this stream can reach the cloud in time: a first block still
+            # drafting (Started came first) stops (it would cost the device, and the cloud's
+            # core beside it, for nothing)
             if early is not None:
                 early.stop.set()
                 proposer.interrupt()
@@ -97,6 +105,8 @@ async def run_rounds(
             early = None
             if plan.lead_first:  # lead at once, with no tokens
                 first = (Block([], None), 0.0)
+        if sent is not None and plan.mode is SessionMode.LOCK_STEP:
+            first = (sent, 0.0)  # a server's right: lock-step, whose round 1 verifies it
         if first is not None or early is None or plan.mode is SessionMode.CLOUD_LED:
             pass  # nothing drafted early, or the cloud-led rounds draft on from it
         elif started.lead_after_ms > 0 and not plan.lead_first:
@@ -110,11 +120,15 @@ async def run_rounds(
             _check_pair(proposer, started.model)
         handed = early is not None and plan.mode is SessionMode.CLOUD_LED
     finally:
+        starting.cancel()  # done already, unless something failed before Started came
         # the drafter must be idle before anyone else uses it (a handed block: the rounds')
         if early is not None and not handed:
             await early.join()
     early_led = early if handed else None
     mode, handover = plan.mode, None
+    if sent is not None and mode is SessionMode.CLOUD_LED:  # its Verdict comes to those rounds
+        k = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
+        handover = Handover(1, sent, started.max_new_tokens, DraftLength(k), with_start=True)
     if led is not None:  # the cloud leads before any Draft: cloud-led from its first Verdict
         stream.stats.observe_lead(0, by_cloud=True)
         k = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
@@ -133,7 +147,7 @@ async def run_rounds(
             early_led = None  # the rounds join it, whatever happens to them
         else:
             rounds = lockstep_rounds(
-                stream, committed, proposer, rule, plan, started, first, reading=reading
+                stream, committed, proposer, rule, plan, started, first, reading, sent is not None
             )
         handover = None
         async with contextlib.aclosing(rounds):  # closed with the stream, even mid-loop
@@ -179,6 +193,37 @@ async def _block_or_lead(stream: Stream, early: Worker):
     if not v.led:
         raise SpecsplitError(None, "the cloud sent a Verdict before any Draft without Verdict.led")
     return None, None, v
+
+
+async def _send_first(
+    stream: Stream, early: Worker, starting: asyncio.Future, base_len: int
+) -> Block | None:
+    """A cloud-led stream's first block (drafted after the prompt by ``early``), sent as round
+    1's Draft the moment it is done, while Started (``starting``) has not come: the block that
+    was sent, else None (Started came first, or no token to send).
+
+    Both sides start from the prompt, and the Draft follows Start on the same path, so it
+    reaches the cloud while the target prefills or soon after, whatever the round trip: on a
+    link too long for any later Draft (the cloud commits a round trip's worth of tokens before
+    one arrives), it is the one that still lets a pass verify drafts. Its q, under the rejection
+    rule, goes as floats: Started, which says whether the server takes counts, has not come."""
+    await asyncio.wait({early.future, starting}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() or not early.future.done():
+        return None
+    block, _ = await early.result()
+    if not block.tokens:
+        return None
+    cfg = stream.cfg
+    draft = pb.Draft(round=1, base_len=base_len, tokens=block.tokens)
+    rejection = resolve_verification(cfg.verification, cfg.sampling.temperature, has_q=True)
+    if block.q is not None and rejection is VerificationRule.REJECTION:
+        draft.q.extend(sparse_to_pb(q, counts_ok=False) for q in block.q)
+    try:
+        await stream.send(pb.ClientMessage(draft=draft))
+    except SpecsplitError:  # the stream ended meanwhile: reading Started tells how
+        return None
+    stream.stats.observe_drafts_sent(1)
+    return block
 
 
 def _rule(stream: Stream, proposer: Proposer, seed: int | None) -> DraftRule:

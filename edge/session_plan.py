@@ -35,10 +35,6 @@ class SessionPlan:
     lead_first: bool = False  # settled: the first lock-step Draft leads
     led: Yield | None = None  # what cloud-led yielded on this link last (Link.cloud_led)
     led_pays: bool = True  # cloud-led, as measured on this link, was worth it (Link.led_pays)
-    # Cloud-led from Start on a link remembered too long for any Draft to reach the cloud in
-    # time (Link.beyond_reach): the draft's prefill and first block wait for Started to say so
-    # too, instead of running for nothing while Start travels (edge.rounds)
-    far: bool = False
 
     @classmethod
     def of(
@@ -68,10 +64,6 @@ class SessionPlan:
             draft_ahead=cfg.draft_ahead,
             led=link.cloud_led if link is not None else None,
             led_pays=link is None or link.led_pays(),
-            far=mode is SessionMode.CLOUD_LED
-            and cfg.adapts
-            and link is not None
-            and link.beyond_reach(cfg.max_draft_tokens),
         )
 
     @property

@@ -122,13 +122,15 @@ class Stream:
         mode: SessionMode,
         draft_tokenizer: str | None = None,
         follows_lead: bool = False,
+        first_draft: bool = False,
     ) -> None:
         """Opens the call and sends Start with ``prompt`` (after an outage, the whole committed
         sequence), asking for session mode ``mode``; a drafting client
         names its draft's tokenizer (the cloud refuses a pair that does not share one), and one
         whose lock-step rounds can go on cloud-led says it follows the cloud's lead, and asks
         for the Probe that lets the cloud time the round trip during prefill (Start.probe):
-        ``started`` echoes it."""
+        ``started`` echoes it. ``first_draft``: a Draft follows before Started (Start.first_draft,
+        edge.rounds)."""
         cfg = self.cfg
         self.call = self.stub.Generate(metadata=self.metadata)
         start = pb.Start(
@@ -141,6 +143,7 @@ class Stream:
             follows_lead=follows_lead,
             probe=follows_lead,
             session_mode=SESSION_MODE_TO_PB[mode],
+            first_draft=first_draft,
         )
         self.probed = follows_lead
         self._t_start = time.perf_counter()

@@ -90,3 +90,63 @@ def test_without_a_retry_window_the_refusal_comes_at_once_with_its_hint(one_sess
     assert int(hint[RETRY_AFTER_KEY]) >= 100 and "retry in" in raw.details()
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 1 sessions" in str(error)
     assert gen.stats.retries == 0
+
+
+async def _status_after_first_draft(stub, start: pb.Start) -> tuple[bool, grpc.aio.AioRpcError]:
+    """Writes ``start`` (announcing its first Draft), then that Draft 0.3 s later, as a cloud-led
+    edge whose first block takes that long: whether the stream was still open when the Draft
+    went, and the status it then ended with."""
+    call = stub.Generate()
+    await call.write(pb.ClientMessage(start=start))
+    reading = asyncio.ensure_future(call.read())
+    await asyncio.sleep(0.3)
+    open_then = not reading.done()
+    draft = pb.Draft(round=1, base_len=len(start.prompt_ids), tokens=[7, 8, 9, 10])
+    await call.write(pb.ClientMessage(draft=draft))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(reading, 10)
+    return open_then, e.value
+
+
+def _cloud_led_start(prompt_ids) -> pb.Start:
+    return pb.Start(
+        protocol_version=PROTOCOL_VERSION,
+        prompt_ids=prompt_ids,
+        session_mode=pb.SESSION_MODE_CLOUD_LED,
+        first_draft=True,
+    )
+
+
+def test_a_refusal_waits_for_the_first_draft_its_start_announced(one_session_cloud):
+    """Start.first_draft: the cloud-led edge writes its first block right after Start. Ending
+    the stream while that write is in flight would show the client INTERNAL instead of our
+    status (grpc/grpc#36066), so the refusal comes once the Draft is read: still open 0.3 s on,
+    and then RESOURCE_EXHAUSTED with its hint."""
+
+    async def run():
+        async with grpc.aio.insecure_channel(one_session_cloud.address) as channel:
+            stub = pb_grpc.SpeculativeDecodingStub(channel)
+            held = await _hold(stub)
+            try:
+                return await _status_after_first_draft(stub, _cloud_led_start(PROMPT))
+            finally:
+                held.cancel()
+
+    open_then, status = asyncio.run(run())
+    assert open_then
+    assert status.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, status.details()
+    assert int(dict(status.trailing_metadata())[RETRY_AFTER_KEY]) >= 100
+
+
+def test_an_invalid_start_waits_for_the_first_draft_it_announced(one_session_cloud):
+    """Likewise for a Start the cloud rejects (a prompt id past the vocabulary): its precise
+    status, once the announced Draft is read."""
+
+    async def run():
+        async with grpc.aio.insecure_channel(one_session_cloud.address) as channel:
+            stub = pb_grpc.SpeculativeDecodingStub(channel)
+            return await _status_after_first_draft(stub, _cloud_led_start([1, 2, 10**7]))
+
+    open_then, status = asyncio.run(run())
+    assert open_then
+    assert status.code() == grpc.StatusCode.INVALID_ARGUMENT, status.details()

@@ -95,7 +95,9 @@ class FakeCloudStream:
         self.queue: asyncio.Queue[pb.Verdict] = asyncio.Queue()  # lock-step Verdicts to read
         self.drafted = asyncio.Event()  # a Draft came since the last cloud-led step
 
-    async def start(self, prompt, mode, draft_tokenizer=None, follows_lead=False) -> None:
+    async def start(
+        self, prompt, mode, draft_tokenizer=None, follows_lead=False, first_draft=False
+    ) -> None:
         assert list(prompt) == PROMPT and mode is self.mode
 
     async def started(self) -> pb.Started:

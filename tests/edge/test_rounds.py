@@ -10,6 +10,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 
 from specsplit.edge import rounds as dispatcher
@@ -19,9 +20,9 @@ from specsplit.edge.generation import GenerationConfig, GenerationStats
 from specsplit.edge.handover import Handover
 from specsplit.edge.mode_switch import LeadChoice, Link, Yield
 from specsplit.edge.session_plan import SessionPlan
-from specsplit.edge.worker import Stopped
+from specsplit.edge.worker import Stopped, Worker
 from specsplit.shared.protocol import SESSION_MODE_TO_PB, pb
-from specsplit.shared.sampling import SamplingConfig
+from specsplit.shared.sampling import SamplingConfig, SparseDist
 from specsplit.shared.session_mode import SessionMode
 from tests.edge.fake_cloud import PROMPT, FakeCloudStream, FakeProposer, expected, plan
 
@@ -35,7 +36,7 @@ class FakeStream:
         self.asked: SessionMode | None = None
         self.finished: int | None = None  # the committed_len Finished was checked against
 
-    async def start(self, prompt, mode, fingerprint, follows_lead) -> None:
+    async def start(self, prompt, mode, fingerprint, follows_lead, first_draft=False) -> None:
         self.asked = mode
 
     async def started(self) -> pb.Started:
@@ -74,7 +75,9 @@ def test_the_dispatcher_switches_once_on_a_handover(
     drafted_early: list = []
     handover = Handover(2, Block([8, 9], None), 40, DraftLength(4))
 
-    async def lockstep(stream, committed, proposer, rule, plan, started, first, reading=None):
+    async def lockstep(
+        stream, committed, proposer, rule, plan, started, first, reading=None, sent=False
+    ):
         ran.append("lockstep")
         assert first[0].tokens == [5]  # the block drafted while the cloud prefilled
         committed.tokens += [5, 6]
@@ -289,24 +292,106 @@ def test_where_no_draft_can_reach_the_cloud_the_drafts_prefill_stops(mode):
         assert first.lead and not first.tokens and stream.stats.lead_round == 1
 
 
-def test_a_link_remembered_out_of_reach_drafts_nothing_before_started():
-    """A warm client whose link memory says no Draft reaches the cloud (Link.beyond_reach: a
-    round trip of 500 ms against 40 ms steps) starts cloud-led and runs no draft before Started
-    (the prefill and first block are not even begun); Started agrees, and the stream goes on
-    cloud-led, output exact."""
+class SlowStarted(FarCloud):
+    """Started comes once a Draft has (or after 2 s): the cloud's prefill outlasts the edge's
+    first block, as on a long link. ``before_started``: the Drafts received by then."""
+
+    before_started: list[pb.Draft] | None = None
+
+    async def start(
+        self, prompt, mode, draft_tokenizer=None, follows_lead=False, first_draft=False
+    ) -> None:
+        assert list(prompt) == PROMPT and mode is SessionMode.CLOUD_LED  # whatever the fake runs
+        self.announced = first_draft
+
+    async def started(self) -> pb.Started:
+        for _ in range(200):
+            if self.drafts:
+                break
+            await asyncio.sleep(0.01)
+        self.before_started = list(self.drafts)
+        return await super().started()
+
+
+@pytest.mark.parametrize("link", [None, Link(500.0, 40.0)])
+def test_a_cloud_led_streams_first_block_leaves_before_started_whatever_the_link(link):
+    """Cloud-led from Start, cold or warm on a link of 500 ms against 40 ms steps (the cloud
+    commits 12.5 tokens while any later Draft travels): the first block, drafted from the
+    prompt, leaves as round 1's Draft before Started comes, and the cloud's first step verifies
+    it. Its Verdict measures no lag (it travelled with Start), so the stream then drafts nothing
+    more: out of reach by the round trip. Output exact."""
     n = 12
-    stream = FarCloud(n, SessionMode.CLOUD_LED)
+    stream = SlowStarted(n, SessionMode.CLOUD_LED)
     cfg = GenerationConfig(max_new_tokens=n, max_draft_tokens=4)  # auto
-    proposer = stream.proposer = FirstBlockBlocked()
-    plan_ = SessionPlan.of(cfg, link=Link(500.0, 40.0))
-    assert plan_.mode is SessionMode.CLOUD_LED and plan_.far
+    plan_ = SessionPlan.of(cfg, link=link)
+    assert plan_.mode is SessionMode.CLOUD_LED
 
     async def main():
-        return [c async for c in dispatcher.run_rounds(stream, proposer, plan_, PROMPT)]
+        return [c async for c in dispatcher.run_rounds(stream, FakeProposer(), plan_, PROMPT)]
 
     chunks = asyncio.run(asyncio.wait_for(main(), 30))
     assert [t for c in chunks for t in c] == expected(n)
-    assert not proposer.blocked  # the first block never began
+    [first] = stream.before_started
+    assert stream.announced  # Start.first_draft
+    assert (first.round, first.base_len, first.continues) == (1, len(PROMPT), False)
+    assert list(first.tokens) == [FakeProposer.draft(len(PROMPT) + i) for i in range(4)]
+    assert stream.verdicts[0].round == 1 and stream.verdicts[0].drafts_verified == 4
+    assert stream.drafts == [first] and stream.stats.drafts_sent == 1
+    assert stream.stats.drafted == 4 and stream.stats.accepted == 2  # position 6 is a miss
+
+
+def test_a_first_block_sent_before_a_lock_step_started_is_its_round_1():
+    """Asked for cloud-led, a server may run lock-step (its right): the first block, sent before
+    Started, is lock-step round 1's Draft, verified as such and not sent again. Output exact."""
+
+    class LockStepAnyway(SlowStarted):
+        def started_message(self) -> pb.Started:
+            started = super().started_message()
+            started.session_mode = SESSION_MODE_TO_PB[SessionMode.LOCK_STEP]
+            return started
+
+    n = 12
+    stream = LockStepAnyway(n, SessionMode.LOCK_STEP)
+    cfg = GenerationConfig(max_new_tokens=n, max_draft_tokens=4, session_mode="cloud-led")
+
+    async def main():
+        plan_ = SessionPlan.of(cfg)
+        return [c async for c in dispatcher.run_rounds(stream, FakeProposer(), plan_, PROMPT)]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [t for c in chunks for t in c] == expected(n)
+    assert len(stream.before_started) == 1
+    assert [d.round for d in stream.drafts] == list(range(1, len(stream.drafts) + 1))
+    assert [v.round for v in stream.verdicts] == [d.round for d in stream.drafts]
+
+
+def test_a_sampled_first_block_sent_before_started_carries_q_as_floats():
+    """Under the rejection rule every draft token needs its q; before Started the edge cannot
+    know whether the server takes counts (Started.q_counts), so the first block's q goes as
+    probabilities, which verify the same way."""
+    n = 12
+    stream = SlowStarted(n, SessionMode.CLOUD_LED)
+    stream.cfg = dataclasses.replace(stream.cfg, sampling=SamplingConfig(temperature=0.7))
+    stream.seed = 7
+    counts = np.array([100, 27], dtype=np.uint8)
+    q = [SparseDist(np.array([t, t + 1]), counts / 127.0, counts) for t in (5, 6, 7, 8)]
+    block = Block([5, 6, 7, 8], q)
+    plan_ = SessionPlan.of(stream.cfg)
+
+    async def main():
+        early = Worker(lambda stop: (block, 1.0))
+        starting = asyncio.ensure_future(stream.started())
+        sent = await dispatcher._send_first(stream, early, starting, len(PROMPT))
+        await starting
+        return sent
+
+    assert plan_.mode is SessionMode.CLOUD_LED
+    assert asyncio.run(main()) is block
+    [first] = stream.before_started
+    assert list(first.tokens) == block.tokens and len(first.q) == 4
+    for q, sparse in zip(first.q, block.q, strict=True):
+        assert not q.counts and list(q.token_ids) == sparse.ids.tolist()
+        assert np.allclose(q.probs, sparse.probs)
 
 
 def test_where_no_draft_can_reach_a_stream_with_no_first_block_leads_empty_at_once():
@@ -385,22 +470,6 @@ def test_a_sampled_stream_drafts_its_first_block_before_started(runs):
     assert [t for c in chunks for t in c] == expected(n)
     assert stream.before_started == [len(PROMPT)]  # the first block, from the prompt
     assert stream.stats.drafted > 0
-
-
-@pytest.mark.parametrize(
-    ("link", "cfg", "far"),
-    [
-        (Link(500.0, 40.0), GenerationConfig(max_draft_tokens=4), True),
-        (Link(100.0, 40.0), GenerationConfig(max_draft_tokens=4), False),  # 2.5 steps: reaches
-        (Link(500.0, 40.0), GenerationConfig(max_draft_tokens=16), False),  # 16 reach past 12.5
-        (Link(500.0, 0.0), GenerationConfig(max_draft_tokens=4), False),  # no step known
-        (Link(None, 40.0), GenerationConfig(max_draft_tokens=4), False),  # no round trip known
-        (None, GenerationConfig(max_draft_tokens=4), False),  # a cold client
-        (Link(500.0, 40.0), GenerationConfig(max_draft_tokens=4, adaptive=False), False),
-    ],
-)
-def test_a_plan_is_far_only_where_the_remembered_link_rules_out_every_draft(link, cfg, far):
-    assert SessionPlan.of(cfg, link=link).far is far
 
 
 def test_a_link_within_reach_keeps_the_first_block():
