@@ -37,7 +37,7 @@ from specsplit.edge.sequence import Committed
 from specsplit.edge.session_plan import SessionPlan
 from specsplit.edge.stream import SpecsplitError, Stream
 from specsplit.edge.worker import Worker
-from specsplit.shared.acceptance import VerificationRule, resolve_verification
+from specsplit.shared.acceptance import VerificationRule
 from specsplit.shared.protocol import pb, sparse_to_pb
 from specsplit.shared.session_mode import SessionMode
 
@@ -213,10 +213,10 @@ async def _send_first(
     block, _ = await early.result()
     if not block.tokens:
         return None
-    cfg = stream.cfg
     draft = pb.Draft(round=1, base_len=base_len, tokens=block.tokens)
-    rejection = resolve_verification(cfg.verification, cfg.sampling.temperature, has_q=True)
-    if block.q is not None and rejection is VerificationRule.REJECTION:
+    # A sampled block (q) is verified by the rule asked, rejection where none was: the server
+    # resolves it so for a drafting client (shared.acceptance.resolve_verification)
+    if block.q is not None and stream.cfg.verification in (None, VerificationRule.REJECTION):
         draft.q.extend(sparse_to_pb(q, counts_ok=False) for q in block.q)
     try:
         await stream.send(pb.ClientMessage(draft=draft))
