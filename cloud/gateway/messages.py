@@ -44,6 +44,11 @@ def _is_echo(msg: object) -> bool:
     return isinstance(msg, pb.ClientMessage) and msg.WhichOneof("msg") == "echo"
 
 
+def _announces_draft(msg: object) -> bool:
+    """A Start whose client writes a Draft next, before Started (Start.first_draft)."""
+    return isinstance(msg, pb.ClientMessage) and msg.start.first_draft
+
+
 class Echoes:
     """A stream's client messages with its Echo taken out, and the round trip that Echo measured.
 
@@ -90,7 +95,8 @@ class Echoes:
             if msg is None:
                 raise StopAsyncIteration
             if not _is_echo(msg):
-                self.draft_due = False  # whatever followed Start: that write is done
+                # due after a Start that announced it; whatever else came, that write is done
+                self.draft_due = _announces_draft(msg)
                 return msg
             self._echo()
 
@@ -178,8 +184,7 @@ async def before_refusing(requests, wait_s: float = 1.0) -> None:
     # A timeout or a broken stream: refuse all the same.
     with contextlib.suppress(Exception):
         async with asyncio.timeout(wait_s):
-            first = await anext(messages, None)
-            if isinstance(first, pb.ClientMessage) and first.start.first_draft:
+            if _announces_draft(await anext(messages, None)):
                 await anext(messages, None)
 
 

@@ -148,8 +148,6 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
         tail = ReadingTail()  # a cloud-led loop leaves its reader here, still reading
         try:
             first = await next_message(messages, self.policy.start_timeout_s, "Start")
-            if first is not None and first.WhichOneof("msg") == "start":
-                messages.draft_due = first.start.first_draft  # read before any status
             if first is not None:  # else the client half-closed without a Start
                 with ticket.working():
                     ticket.started = True
