@@ -538,10 +538,9 @@ class OnnxDrafter:
         # where the buffers moved, past and present are bound to the new ones
         try:
             self._kv.reserve(total, valid, shrink, self._bind)
-        except BaseException:
-            if not self._kv.capacity:  # a growth failed halfway: the cache is gone, and with it
-                self._tokens.clear()  # what it held (a next pass feeds the sequence again)
-                self._rare.clear()
+        except BaseException:  # a growth failed halfway: the cache is gone, and with it what
+            self._tokens.clear()  # it held (a next pass feeds the sequence again)
+            self._rare.clear()
             raise
 
     def _bind(self, name: str, value: ort.OrtValue) -> None:

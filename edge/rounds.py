@@ -126,12 +126,11 @@ async def run_rounds(
             await early.join()
     early_led = early if handed else None
     mode, handover = plan.mode, None
+    k = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     if sent is not None and mode is SessionMode.CLOUD_LED:  # its Verdict comes to those rounds
-        k = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
         handover = Handover(1, sent, started.max_new_tokens, DraftLength(k), with_start=True)
     if led is not None:  # the cloud leads before any Draft: cloud-led from its first Verdict
         stream.stats.observe_lead(0, by_cloud=True)
-        k = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
         empty = Block([], None)
         mode, handover = (
             SessionMode.CLOUD_LED,
