@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 # first round's gain over a one-row step, E(k) - 1 - 0.27 k in one-row passes, is best at k = 2-3
 # and negative at 8; at 0.8 it is best at 4. Where rows are free (a GPU) 4 instead of 8 costs
 # E(8) - E(4) = 0.2-1 token once. The rounds after it choose k from what they measured.
+# Sent before Started (cloud-led), it is within any server's Limits: the protocol makes
+# max_draft_tokens at least 4 (proto Limits).
 FIRST_BLOCK = 4
 
 

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
+from specsplit.cloud.kv_growth import MAX_DRAFT_TOKENS
 from specsplit.edge import rounds as dispatcher
 from specsplit.edge.adaptive import DraftLength
 from specsplit.edge.drafting import Block
@@ -217,6 +218,12 @@ def test_a_cloud_that_leads_before_the_first_block_is_done_is_followed_at_once()
     assert stream.verdicts[0].led and stream.verdicts[0].round == 0
     assert stream.stats.cloud_took_lead and stream.stats.lead_round == 0
     assert all(not d.lead for d in stream.drafts) and stream.finished
+
+
+def test_the_first_block_fits_every_server_limit():
+    """The first block leaves before Started tells the server's Limits: it must fit the least
+    max_draft_tokens the protocol allows (4), which our server's own limit respects."""
+    assert dispatcher.FIRST_BLOCK <= 4 <= MAX_DRAFT_TOKENS
 
 
 @pytest.mark.parametrize(("adaptive", "first"), [(True, dispatcher.FIRST_BLOCK), (False, 8)])
