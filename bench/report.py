@@ -384,7 +384,27 @@ def write_report(raw: Path, meta_path: Path, out: Path, name: str) -> Path:
     return path
 
 
-if __name__ == "__main__":
-    raw_path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/benchmarks-raw.jsonl")
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
+    p.add_argument(
+        "raw",
+        nargs="?",
+        type=Path,
+        default=Path("docs/benchmarks-raw.jsonl"),
+        help="a run's raw records (NAME-raw.jsonl, its NAME-meta.json beside it); the page "
+        "NAME.md is written beside them",
+    )
+    raw_path = p.parse_args(argv).raw
     stem = raw_path.name.removesuffix("-raw.jsonl")
-    print(write_report(raw_path, raw_path.with_name(f"{stem}-meta.json"), raw_path.parent, stem))
+    meta = raw_path.with_name(f"{stem}-meta.json")
+    for needed in (raw_path, meta):
+        if not needed.is_file():
+            p.error(f"{needed}: no such file (make bench writes it)")
+    print(write_report(raw_path, meta, raw_path.parent, stem))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

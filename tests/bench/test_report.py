@@ -255,3 +255,26 @@ def test_draftless_passes_after_a_correction_per_mode_and_condition():
     ]
     lines = after_rejection_table([*led, rec(mode="lock-step", link="")])
     assert lines[-1] == "| 0 ms | 0 | cloud-led | 10 | 3 | 1 | 0.30 | 3/7 | 2 |"
+
+
+def test_the_command_names_a_missing_raw_file(tmp_path, capsys):
+    from bench.report import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "none-raw.jsonl")])
+    assert e.value.code == 2
+    assert "none-raw.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_the_command_writes_the_page_beside_its_raw_records(tmp_path, capsys):
+    from bench.report import main
+
+    raw = tmp_path / "run-raw.jsonl"
+    raw.write_text(json.dumps(rec(mode="cloud-only", k=0)) + "\n" + json.dumps(rec()) + "\n")
+    plan = {"ks": [4], "temperatures": [0.0], "rtts_ms": [0.0], "prompts": 1, "max_new_tokens": 10}
+    machine = {"target": "/t", "draft": "/d", "draft_precision": "int8", "target_dtype": "auto"}
+    cores = {"edge_cores": [0], "cloud_cores": [1], "date": "today"}
+    (tmp_path / "run-meta.json").write_text(json.dumps(machine | cores | {"plan": plan}))
+    assert main([str(raw)]) == 0
+    assert "| lock-step | 4 |" in (tmp_path / "run.md").read_text()
+    assert capsys.readouterr().out.strip() == str(tmp_path / "run.md")
