@@ -180,30 +180,41 @@ def test_errors_are_counted_by_status_code():
     assert value(m, "specsplit_sessions_total", route="split", outcome="failed_precondition") == 2
 
 
+@contextlib.asynccontextmanager
+async def token_gateway(token: bytes = b"good"):
+    """An in-process gateway that requires ``token``: (its port, its service)."""
+    from specsplit.cloud.gateway.security import Security
+
+    security = Security(tokens=(token,))
+    server, port, service = await start_gateway(
+        NOWHERE, MODEL, sequence_factory=FakeTriton, security=security
+    )
+    try:
+        yield port, service
+    finally:
+        await server.stop(grace=None)
+        await service.close()
+
+
 def test_a_refused_token_lets_the_clients_writes_go_first():
     """A wrong token is refused from the call's metadata, nothing read, but REFUSE_AFTER_S after
     the call came: ending it while the client's Start is still being written would show the
     client INTERNAL instead of UNAUTHENTICATED (grpc/grpc#36066)."""
-    from specsplit.cloud.gateway.security import REFUSE_AFTER_S, Security
+    from specsplit.cloud.gateway.security import REFUSE_AFTER_S
 
     async def main():
-        security = Security(tokens=(b"good",))
-        server, port, service = await start_gateway(
-            NOWHERE, MODEL, sequence_factory=FakeTriton, security=security
-        )
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                meta = (("authorization", "Bearer bad"),)
-                t0 = time.perf_counter()
-                call = pb_grpc.SpeculativeDecodingStub(channel).Generate(metadata=meta)
-                await call.write(start(2))
-                await call.done_writing()
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await asyncio.wait_for(call.read(), 10)
-                return time.perf_counter() - t0, e.value.code()
-        finally:
-            await server.stop(grace=None)
-            await service.close()
+        async with (
+            token_gateway() as (port, _),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            meta = (("authorization", "Bearer bad"),)
+            t0 = time.perf_counter()
+            call = pb_grpc.SpeculativeDecodingStub(channel).Generate(metadata=meta)
+            await call.write(start(2))
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(call.read(), 10)
+            return time.perf_counter() - t0, e.value.code()
 
     waited, code = asyncio.run(main())
     assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -211,14 +222,8 @@ def test_a_refused_token_lets_the_clients_writes_go_first():
 
 
 def test_calls_refused_for_their_token_are_counted():
-    from specsplit.cloud.gateway.security import Security
-
     async def main():
-        security = Security(tokens=(b"good",))
-        server, port, service = await start_gateway(
-            NOWHERE, MODEL, sequence_factory=FakeTriton, security=security
-        )
-        try:
+        async with token_gateway() as (port, service):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.SpeculativeDecodingStub(channel)
                 codes = []
@@ -232,9 +237,6 @@ def test_calls_refused_for_their_token_are_counted():
                     except grpc.aio.AioRpcError as e:
                         codes.append(e.code())
             return codes, await settled_registry(service)
-        finally:
-            await server.stop(grace=None)
-            await service.close()
 
     codes, m = asyncio.run(main())
     refused = grpc.StatusCode.UNAUTHENTICATED
