@@ -188,6 +188,21 @@ async def before_refusing(requests, wait_s: float = 1.0) -> None:
                 await anext(messages, None)
 
 
+# A stream refused without reading any of its messages (a wrong token, a client past its held
+# streams) ends this long after it came: a client's write completes on its own side once its
+# transport takes the message, so the wait lets its Start (and half-close) go first. Without
+# it, the metrics test's client (its Start written by grpc.aio from a request iterator) saw
+# INTERNAL instead of UNAUTHENTICATED once in about a dozen CI runs.
+REFUSE_UNREAD_AFTER_S = 0.1
+
+
+async def before_refusing_unread() -> None:
+    """``before_refusing`` for a stream whose messages must stay unread: a short wait instead
+    (REFUSE_UNREAD_AFTER_S). A write the client starts later and still has in flight when the
+    stream ends can meet grpc's bug all the same."""
+    await asyncio.sleep(REFUSE_UNREAD_AFTER_S)
+
+
 async def until_half_close(requests, grace_s: float, reader: asyncio.Task | None = None) -> None:
     """Reads (and drops) the client's messages until it half-closes, at most ``grace_s``; or,
     where a ``reader`` task already reads them (cloud-led), waits for it to end, then cancels it.

@@ -6,16 +6,13 @@ Tokens come from a file, one a line (blank lines and ``#`` comments ignored); a 
 every token. A call without one is refused with UNAUTHENTICATED before its handler runs, from its
 metadata alone: none of its messages is read (they stay in gRPC's flow-control window, never
 decoded), so it costs no session, no Triton work and no more than that window of memory. The
-refusal goes REFUSE_AFTER_S after the call came: a grpc.aio client whose write is still in flight
-as the call ends reports INTERNAL instead of our status (grpc/grpc#36066), and a client's write
-completes on its own side once its transport takes the message, which the short wait lets its
-Start (and half-close) do first. The gRPC health service stays open: balancers probe it without
-credentials.
+refusal goes a moment after the call came (``messages.before_refusing_unread``): a grpc.aio
+client whose write is still in flight as the call ends reports INTERNAL instead of our status
+(grpc/grpc#36066). The gRPC health service stays open: balancers probe it without credentials.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 from collections.abc import Sequence
@@ -24,9 +21,8 @@ from pathlib import Path
 
 import grpc
 
-# A refusal waits this long (not reading anything): the metrics test's client, its Start written
-# by grpc.aio from a request iterator, saw INTERNAL once in about a dozen CI runs without it.
-REFUSE_AFTER_S = 0.1
+from specsplit.cloud.gateway.messages import before_refusing_unread
+
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
 
@@ -104,7 +100,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 
 async def _refuse(request, context: grpc.aio.ServicerContext) -> None:
-    await asyncio.sleep(REFUSE_AFTER_S)  # the client's writes first: see the module's doc
+    await before_refusing_unread()  # the client's writes first: see the module's doc
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 

@@ -43,6 +43,7 @@ from specsplit.cloud.gateway.lockstep import lead_after_ms, lockstep_rounds
 from specsplit.cloud.gateway.messages import (
     Echoes,
     before_refusing,
+    before_refusing_unread,
     decode_client_message,
     next_message,
     until_half_close,
@@ -138,7 +139,9 @@ class SpeculativeService(pb_grpc.SpeculativeDecodingServicer):
                 raise refused
             ticket = await _admitted(lambda: self.admission.enter(client))
         except Refused as e:
-            if e.reason != RETRY_EARLY:  # too many held: refused without reading anything
+            if e.reason == RETRY_EARLY:  # too many held: refused without reading anything
+                await before_refusing_unread()
+            else:
                 await before_refusing(requests)
             await self._refuse(context, client, e)
         handler = asyncio.current_task()

@@ -8,11 +8,13 @@ test_admission.py.)"""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 
 from specsplit.cloud.gateway.admission import Admission, KVShape
+from specsplit.cloud.gateway.messages import REFUSE_UNREAD_AFTER_S
 from specsplit.cloud.gateway.replicas import ReplicaSet
 from specsplit.cloud.gateway.retry_gate import PACE_S, RetryGate
 from specsplit.cloud.gateway.security import Security, TokenAuth
@@ -256,7 +258,9 @@ def test_past_its_held_streams_a_client_is_refused_at_once():
 
 def test_a_peer_held_to_its_hint_is_refused_past_it_without_reading():
     """Without tokens the client is its address (only the handler sees it): the stream is
-    held, or refused past the gate's bound, before its first message is read."""
+    held, or refused past the gate's bound, before its first message is read; the refusal
+    goes REFUSE_UNREAD_AFTER_S after the stream came, so that the client's Start has been
+    written (grpc/grpc#36066)."""
 
     class Peer(_Context):
         def peer(self):
@@ -270,13 +274,16 @@ def test_a_peer_held_to_its_hint_is_refused_past_it_without_reading():
         service.gate.max_held = 0
         service.gate.told("ipv4:10.1.2.3", 5_000)
         requests, context = _Watched(), Peer()
+        t0 = time.perf_counter()
         with pytest.raises(_Aborted):
             await anext(service.Generate(requests, context))
+        waited = time.perf_counter() - t0
         await service.close()
-        return requests.read, context, service
+        return requests.read, context, service, waited
 
-    read, context, service = asyncio.run(run())
+    read, context, service, waited = asyncio.run(run())
     assert context.status == grpc.StatusCode.RESOURCE_EXHAUSTED and read == 0
+    assert waited >= REFUSE_UNREAD_AFTER_S
     assert 0 < int(dict(context.trailing)[RETRY_AFTER_KEY]) <= 5_000
     assert service.admission.open == 0  # never admitted
 

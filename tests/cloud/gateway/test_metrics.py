@@ -197,10 +197,10 @@ async def token_gateway(token: bytes = b"good"):
 
 
 def test_a_refused_token_lets_the_clients_writes_go_first():
-    """A wrong token is refused from the call's metadata, nothing read, but REFUSE_AFTER_S after
-    the call came: ending it while the client's Start is still being written would show the
+    """A wrong token is refused from the call's metadata, nothing read, but REFUSE_UNREAD_AFTER_S
+    after the call came: ending it while the client's Start is still being written would show the
     client INTERNAL instead of UNAUTHENTICATED (grpc/grpc#36066)."""
-    from specsplit.cloud.gateway.security import REFUSE_AFTER_S
+    from specsplit.cloud.gateway.messages import REFUSE_UNREAD_AFTER_S
 
     async def main():
         async with (
@@ -218,7 +218,7 @@ def test_a_refused_token_lets_the_clients_writes_go_first():
 
     waited, code = asyncio.run(main())
     assert code == grpc.StatusCode.UNAUTHENTICATED
-    assert waited >= REFUSE_AFTER_S
+    assert waited >= REFUSE_UNREAD_AFTER_S
 
 
 def test_calls_refused_for_their_token_are_counted():
