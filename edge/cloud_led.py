@@ -386,12 +386,18 @@ async def cloud_led_rounds(
     started: pb.Started,
     handover: Handover | None = None,
     early: Worker | None = None,
+    early_k: int = 0,
 ) -> AsyncIterator[list[int]]:
     """From Started, or from a lock-step stream's ``handover``: the speculation then starts as
     the lead block and reaches past it, with the acceptance the lock-step rounds measured, while
     the cloud verifies it, instead of waiting for that verdict. ``early``: the block (Block, ms)
     being drafted after the prompt since Start (edge.rounds); the speculation starts as what of
-    it the cloud has not committed otherwise by the time it is done, sent at once."""
+    it the cloud has not committed otherwise by the time it is done, sent at once; ``early_k``:
+    its length. Once the cloud has committed that many tokens on its own (a draft that loaded
+    late: a new process's session is ready ~0.4 s after its request on the 2-core CPU, ten
+    target steps), the block holds nothing the cloud still needs: its prefill, the draft's
+    cache, goes on, its draft steps do not (they cost ~15 ms each before the speculation could
+    start from what the cloud committed)."""
     stats = stream.stats
     max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     reach = _reach_of(plan, started, stats.start_rtt_ms, handover)
@@ -444,12 +450,16 @@ async def cloud_led_rounds(
             waits = {getter} if worker is None else {getter, worker.future}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if worker is not None and worker is early and worker.future.done():
-                block, _ = await worker.result()
+                try:
+                    block, _ = await worker.result()
+                except Stopped:  # stopped below: the cloud committed past it
+                    block = None
                 worker = early = None
                 since = committed.tokens[len(prefix) :]  # committed while it drafted
                 # Where no Draft can reach the cloud in time, it is not sent (only its prefill
                 # is kept: the drafter's cache)
-                if not idle and spec.adopt(block, since) and not await drafts.send(spec):
+                sends = block is not None and not idle and spec.adopt(block, since)
+                if sends and not await drafts.send(spec):
                     paused = -1
             elif worker is not None and worker.future.done():
                 try:
@@ -511,6 +521,10 @@ async def cloud_led_rounds(
                 yield chunk
                 if v.finished:
                     return
+            # The first block once the cloud committed its length on its own (docstring): no
+            # interrupt, which would cut its prefill short too.
+            if worker is not None and worker is early and len(committed) - len(prefix) >= early_k:
+                worker.stop.set()
             # A token being drafted after what a Verdict just rejected is no use: stop its pass
             # now rather than after it (~one draft step sooner to draft after the correction);
             # one the cloud committed past, nothing rejected, runs on where it catches up.

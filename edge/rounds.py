@@ -143,7 +143,7 @@ async def run_rounds(
             rounds = cloud_only_rounds(stream, committed)
         elif mode is SessionMode.CLOUD_LED:
             rounds = cloud_led_rounds(
-                stream, committed, proposer, rule, plan, started, handover, early_led
+                stream, committed, proposer, rule, plan, started, handover, early_led, k_first
             )
             early_led = None  # the rounds join it, whatever happens to them
         else:

@@ -1,20 +1,23 @@
 """A cloud-led draw that catches up (forwards tokens the draft's cache lacks) is not cut short
 when a Verdict commits past its prefix without rejecting any of it: cut, the pass caches
 nothing, and where it takes longer than the cloud's step every Verdict cut it again, so the edge
-never drafted. A short draw a Verdict passed is still cut. The loop against a scripted far end
+never drafted. A short draw a Verdict passed is still cut. A first block the cloud committed past
+while the draft was still loading stops after its prefill. The loop against a scripted far end
 (tests.edge.fake_cloud) stepping every 20 ms or sooner."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from specsplit.edge.cloud_led import CATCH_UP, cloud_led_rounds
 from specsplit.edge.drafting import Interrupted
-from specsplit.edge.proposer import DraftModelProposer
+from specsplit.edge.proposer import DraftModelProposer, timed_block
+from specsplit.edge.worker import Worker
 from specsplit.shared.session_mode import SessionMode
 from tests.edge.fake_cloud import (
     GREEDY,
@@ -112,3 +115,47 @@ def test_a_short_draw_the_cloud_passed_is_still_cut():
     # a speculation's last token passes such a draw's prefix: it is cut, not run out.
     _, stream, drafter = _run(60)
     assert 0 < len(drafter.cut_short) <= stream.stats.interrupted
+
+
+LATE_S = 0.2  # a draft session still loading at Start: ten of the far end's 20 ms steps
+EARLY_K = 4  # the first block's length (edge.rounds.FIRST_BLOCK)
+
+
+class LateDrafter(CatchingUpDrafter):
+    """Its first pass, the prompt's prefill, comes LATE_S late (a new process's session loads)."""
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        if not self.fed and not self.cut_short:
+            time.sleep(LATE_S)
+        return super().forward(tokens)
+
+
+def test_a_first_block_the_cloud_committed_past_stops_after_its_prefill():
+    # The cloud committed more than the block's EARLY_K tokens on its own while the draft
+    # loaded: the block's draft steps would all be stale. Its prefill (the draft's cache) is
+    # kept; the next pass forwards what the cloud committed, and the speculation goes on from it.
+    stream, seq = FakeCloudStream(40, SessionMode.CLOUD_LED), committed()
+    drafter = LateDrafter()
+    proposer = DraftModelProposer(drafter)
+
+    async def run():
+        early = Worker(timed_block, proposer, list(seq.tokens), EARLY_K, GREEDY)
+        started = stream.started_message()
+        rounds = cloud_led_rounds(
+            stream,
+            seq,
+            proposer,
+            GREEDY,
+            plan(SessionMode.CLOUD_LED),
+            started,
+            None,
+            early,
+            EARLY_K,
+        )
+        return [c async for c in rounds]
+
+    tokens = sum(asyncio.run(run()), [])
+    assert tokens == expected(40)
+    assert drafter.fed[0] == len(PROMPT)  # the prefill ran to its end ...
+    assert drafter.fed[1] > EARLY_K  # ... then a catch-up, not the block's one-token steps
+    assert stream.stats.accepted > 0  # the speculation after it was verified

@@ -86,7 +86,9 @@ def test_the_dispatcher_switches_once_on_a_handover(
         if hands_over:
             yield handover
 
-    async def cloud_led(stream, committed, proposer, rule, plan, started, given=None, early=None):
+    async def cloud_led(
+        stream, committed, proposer, rule, plan, started, given=None, early=None, early_k=0
+    ):
         ran.append("cloud_led")
         received.append(given)
         if early is not None:  # the block drafted while the cloud prefilled, handed on
