@@ -118,14 +118,18 @@ def _draft_dir(args) -> Path | None:
 
 
 def _codec(args, draft_dir: Path | None):
-    """The draft's tokenizer: required for --prompt text, else used when present."""
+    """The draft's tokenizer for a text prompt (--prompt): text in, text out. Token ids in
+    (--prompt-ids) are token ids out, on every route (--json's "text" is null): no tokenizer is
+    loaded, since a split run loaded it (~0.25 s of one AMD EPYC core) before its request, on
+    the core its draft's session was loading on, for output text the cloud-only run of the same
+    command did not print."""
     from specsplit.edge.text import TextCodec
 
+    if args.prompt is None:
+        return None
     if draft_dir is not None and (draft_dir / "tokenizer.json").is_file():
         return TextCodec(draft_dir)
-    if args.prompt is not None:
-        raise ValueError(f"--prompt needs a tokenizer, and {draft_dir} has none: use --prompt-ids")
-    return None  # token ids in, token ids out
+    raise ValueError(f"--prompt needs a tokenizer, and {draft_dir} has none: use --prompt-ids")
 
 
 def _no_cloud(server: str, waited_s: float) -> str:
@@ -496,7 +500,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_draft_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenised with the draft's tokenizer)")
-    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    src.add_argument(
+        "--prompt-ids",
+        help="prompt token ids, comma-separated; the output is token ids too (no tokenizer "
+        "loaded; --json's text is null)",
+    )
     g.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,

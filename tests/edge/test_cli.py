@@ -57,6 +57,8 @@ def test_generate_json(cloud, tiny, mode):
     ):
         assert key in out
     assert out["route"] == mode and out["new_tokens"] == 12
+    # token ids in, token ids out, whichever the route (no tokenizer loaded for the text)
+    assert out["text"] is None
 
 
 def test_export_writes_a_loadable_draft(tiny, tmp_path):

@@ -97,3 +97,16 @@ def test_chat_template_has_loop_controls_and_tojson(model_dir):
     (model_dir / "chat_template.jinja").write_text(template)
     codec = TextCodec(model_dir)
     assert codec.chat_prompt("<é>", system="skipped") == codec.encode('"<é>"')
+
+
+def test_the_cli_loads_a_tokenizer_for_text_prompts_only(model_dir):
+    """Text in, text out; token ids in, token ids out on every route: no tokenizer is loaded
+    for --prompt-ids even where the draft has one (edge.cli._codec)."""
+    from argparse import Namespace
+
+    from specsplit.edge.cli import _codec
+
+    assert _codec(Namespace(prompt=None), model_dir) is None
+    assert isinstance(_codec(Namespace(prompt="hi"), model_dir), TextCodec)
+    with pytest.raises(ValueError, match="--prompt-ids"):
+        _codec(Namespace(prompt="hi"), model_dir / "elsewhere")
