@@ -267,9 +267,10 @@ def _row(i: int, s: dict, own: tuple[str, ...]) -> tuple[str, ...]:
 def cold_summary(rows: dict[str, list[dict]]) -> list[dict]:
     """The cold rows (a new ``specsplit-edge generate`` process per prompt) seen from the
     process's start: what a user who runs the command waits for. Start-up is the process's wall
-    less the request's (imports, the tokenizer, the draft's session where the request did not
-    wait for it, and the exit after the last token), so the first token's time from the start
-    (start-up plus the request's time to first token) is a bound from above."""
+    less the request's (imports, the draft's session where the request did not wait for it,
+    and the exit after the last token; no tokenizer: the prompts go as token ids), so the first
+    token's time from the start (start-up plus the request's time to first token) is a bound
+    from above."""
     out = []
     for key in (k for k in SINGLE_ORDER if k.endswith("/cold") and k in rows):
         recs = [r for r in rows[key] if "process_wall_s" in r]
@@ -461,9 +462,11 @@ a warm-up; a cold one is a new `specsplit-edge generate` process per prompt with
 {cold_table(cold_summary(rows))}
 
 - The tables above time a cold client from its request; a user who runs the command waits
-  from the process's start. Start-up is the process's wall less the request's: imports, the
-  tokenizer, and the part of the draft's ONNX Runtime session load that the request did not
-  wait for (`specsplit-edge generate` loads it in the background while the cloud prefills).
+  from the process's start. Start-up is the process's wall less the request's: imports, and
+  the part of the draft's ONNX Runtime session load that the request did not wait for
+  (`specsplit-edge generate` loads it in the background while the cloud prefills). The prompts
+  go as token ids, so neither route loads a tokenizer (a text prompt adds its ~0.25 s load
+  to both, before the request).
 
 ## {sessions} concurrent requests on the cloud's one core
 
