@@ -117,7 +117,7 @@ def test_a_short_draw_the_cloud_passed_is_still_cut():
     assert 0 < len(drafter.cut_short) <= stream.stats.interrupted
 
 
-LATE_S = 0.2  # a draft session still loading at Start: ten of the far end's 20 ms steps
+LATE_S = 0.3  # a draft session still loading at Start: fifteen of the far end's 20 ms steps
 EARLY_K = 4  # the first block's length (edge.rounds.FIRST_BLOCK)
 
 
