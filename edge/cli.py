@@ -123,10 +123,10 @@ def _codec(args, draft_dir: Path | None):
     loaded, since a split run loaded it (~0.25 s of one AMD EPYC core) before its request, on
     the core its draft's session was loading on, for output text the cloud-only run of the same
     command did not print."""
-    from specsplit.edge.text import TextCodec
-
     if args.prompt is None:
         return None
+    from specsplit.edge.text import TextCodec
+
     if draft_dir is not None and (draft_dir / "tokenizer.json").is_file():
         return TextCodec(draft_dir)
     raise ValueError(f"--prompt needs a tokenizer, and {draft_dir} has none: use --prompt-ids")
