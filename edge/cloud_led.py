@@ -393,11 +393,11 @@ async def cloud_led_rounds(
     the cloud verifies it, instead of waiting for that verdict. ``early``: the block (Block, ms)
     being drafted after the prompt since Start (edge.rounds); the speculation starts as what of
     it the cloud has not committed otherwise by the time it is done, sent at once; ``early_k``:
-    its length. Once the cloud has committed that many tokens on its own (a draft that loaded
-    late: a new process's session is ready ~0.4 s after its request on the 2-core CPU, ten
-    target steps), the block holds nothing the cloud still needs: its prefill, the draft's
-    cache, goes on, its draft steps do not (they cost ~15 ms each before the speculation could
-    start from what the cloud committed)."""
+    its length (0: not known, the block runs out). Once the cloud has committed that many tokens
+    on its own (a draft that loaded late: a new process's session is ready ~0.4 s after its
+    request on the 2-core CPU, ten target steps), the block holds nothing the cloud still needs:
+    its prefill, the draft's cache, goes on, its draft steps do not (they cost ~15 ms each
+    before the speculation could start from what the cloud committed)."""
     stats = stream.stats
     max_draft_tokens = min(plan.max_draft_tokens, started.limits.max_draft_tokens)
     reach = _reach_of(plan, started, stats.start_rtt_ms, handover)
@@ -523,7 +523,11 @@ async def cloud_led_rounds(
                     return
             # The first block once the cloud committed its length on its own (docstring): no
             # interrupt, which would cut its prefill short too.
-            if worker is not None and worker is early and len(committed) - len(prefix) >= early_k:
+            if (
+                worker is not None
+                and worker is early
+                and 0 < early_k <= len(committed) - len(prefix)
+            ):
                 worker.stop.set()
             # A token being drafted after what a Verdict just rejected is no use: stop its pass
             # now rather than after it (~one draft step sooner to draft after the correction);
